@@ -1,0 +1,79 @@
+"""The thread-local stack of active transforms.
+
+A level is a small record: its id (ids grow, so an inner transform always has the larger id),
+its kind, and for vmap its batch size and randomness mode.  ``pushed(level)`` pushes it and
+pops it in ``finally``; a popped level is marked dead so a ``BatchedTensor`` that escaped its
+``vmap`` is recognised instead of silently computing garbage.
+
+The dispatcher does not need the stack to batch an op: every ``BatchedTensor`` carries its
+level.  The stack tells transforms what surrounds them (does an outer transform need a graph?
+is a vmap active for a tensor-less random op?) and lets tests check that nothing leaked.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from typing import Iterator, List, Optional
+
+_ids = itertools.count(1)
+_tls = threading.local()
+
+
+class Level:
+    __slots__ = ("id", "kind", "alive")
+
+    def __init__(self, kind: str):
+        self.id = next(_ids)
+        self.kind = kind
+        self.alive = True
+
+    def __repr__(self) -> str:
+        state = "" if self.alive else ", dead"
+        return f"{type(self).__name__}(id={self.id}{state})"
+
+
+class VmapLevel(Level):
+    """A vmap level.  Rules receive it as ``info``: ``info.batch_size``, ``info.randomness``."""
+
+    __slots__ = ("batch_size", "randomness")
+
+    def __init__(self, batch_size: int, randomness: str):
+        super().__init__("vmap")
+        self.batch_size = batch_size
+        self.randomness = randomness
+
+    def __repr__(self) -> str:
+        state = "" if self.alive else ", dead"
+        return (f"VmapLevel(id={self.id}, batch_size={self.batch_size}, "
+                f"randomness={self.randomness!r}{state})")
+
+
+def stack() -> List[Level]:
+    s = getattr(_tls, "stack", None)
+    if s is None:
+        s = _tls.stack = []
+    return s
+
+
+def current(kind: Optional[str] = None) -> Optional[Level]:
+    """The innermost active level (of the given kind), or None."""
+    for level in reversed(stack()):
+        if kind is None or level.kind == kind:
+            return level
+    return None
+
+
+@contextlib.contextmanager
+def pushed(level: Level) -> Iterator[Level]:
+    s = stack()
+    s.append(level)
+    try:
+        yield level
+    finally:
+        popped = s.pop()
+        popped.alive = False
+        if popped is not level:  # pragma: no cover - would be a functrans bug
+            s.clear()
+            raise AssertionError(f"functrans level stack corrupted: popped {popped}, "
+                                 f"expected {level}")

@@ -1,0 +1,63 @@
+"""Pytree helpers for the transforms: leaf paths and broadcasting of in_dims/out_dims prefixes.
+
+Uses ``torch.utils._pytree``, so custom nodes registered there work everywhere.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import torch.utils._pytree as pytree
+
+tree_flatten = pytree.tree_flatten
+tree_unflatten = pytree.tree_unflatten
+tree_map = pytree.tree_map
+_is_leaf = getattr(pytree, "tree_is_leaf", None) or pytree._is_leaf
+
+
+def leaf_paths(tree: Any, root: str) -> List[str]:
+    """Human-readable names of each leaf, e.g. ``args[1]['w']``."""
+    flat, _ = pytree.tree_flatten_with_path(tree)
+    return [root + pytree.keystr(path) for path, _ in flat]
+
+
+def broadcast_prefix(prefix: Any, tree: Any, is_leaf_prefix) -> List[Any] | None:
+    """Flatten ``prefix`` broadcast over the leaves of ``tree``; None if it is no prefix.
+
+    Lists and tuples match each other by length; dicts match by key set (in the tree's order);
+    other registered nodes must have the same type and context.
+    """
+    if is_leaf_prefix(prefix):
+        return [prefix] * len(pytree.tree_leaves(tree))
+    if _is_leaf(tree):
+        return None
+    if isinstance(prefix, dict) and isinstance(tree, dict):
+        if set(prefix) != set(tree):
+            return None
+        pairs = [(prefix[k], tree[k]) for k in tree]
+    elif isinstance(prefix, (list, tuple)) and isinstance(tree, (list, tuple)):
+        if len(prefix) != len(tree):
+            return None
+        pairs = list(zip(prefix, tree))
+    else:
+        if type(prefix) is not type(tree) or type(tree) not in pytree.SUPPORTED_NODES:
+            return None
+        flatten = pytree.SUPPORTED_NODES[type(tree)].flatten_fn
+        p_children, p_ctx = flatten(prefix)
+        t_children, t_ctx = flatten(tree)
+        if p_ctx != t_ctx or len(p_children) != len(t_children):
+            return None
+        pairs = list(zip(p_children, t_children))
+    out: List[Any] = []
+    for p, t in pairs:
+        sub = broadcast_prefix(p, t, is_leaf_prefix)
+        if sub is None:
+            return None
+        out.extend(sub)
+    return out
+
+
+def describe_structure(tree: Any) -> str:
+    try:
+        return str(pytree.tree_structure(tree))
+    except Exception:  # pragma: no cover
+        return repr(type(tree))

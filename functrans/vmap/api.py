@@ -1,0 +1,258 @@
+"""``vmap``: argument checking, batch-size inference, chunking, and one batched call.
+
+One batched call pushes a ``VmapLevel`` (and its randomness mode), wraps each mapped input in a
+``BatchedTensor`` (differentiably), runs the function, and turns each output back into a
+physical tensor with its batch dim at ``out_dims`` (``helpers.match_bdim``).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from .. import _levels
+from .._pytree import broadcast_prefix, describe_structure, leaf_paths, tree_flatten, \
+    tree_unflatten
+from ..errors import EscapedBatchedTensorError, TransformArgumentError
+from .batched_tensor import BatchedTensor
+from .boundary import add_batch_dim, remove_batch_dim
+from .helpers import match_bdim
+from .randomness import VmapRandomMode
+
+_RANDOMNESS = ("error", "different", "same")
+
+
+def vmap(func: Callable, in_dims: Any = 0, out_dims: Any = 0, randomness: str = "error", *,
+         chunk_size: Optional[int] = None) -> Callable:
+    """Vectorize ``func`` over a batch dimension of its inputs.
+
+    Write ``func`` for ONE example; ``vmap(func)`` runs it on a batch, as if by a loop over the
+    batch followed by ``torch.stack``, but with batched kernels.
+
+    Args:
+        func: a function of tensors (or pytrees of tensors) returning tensors (or pytrees).
+        in_dims: per positional argument, the dim to map over: an int (negative counts from the
+            end), ``None`` for an argument shared by every example, or a pytree prefix of the
+            arguments. Keyword arguments are never mapped.
+        out_dims: where the batch dim goes in each output: an int, ``None`` (for outputs that
+            do not depend on the batch), or a pytree prefix of the outputs.
+        randomness: ``'error'`` (random ops raise), ``'different'`` (each example draws its own
+            values) or ``'same'`` (one draw shared by the batch).
+        chunk_size: run the batch in chunks of this many examples (bounds memory); the result
+            is the same as without chunking.
+
+    Returns:
+        The batched function.
+
+    >>> import torch, functrans
+    >>> x = torch.randn(5, 3)
+    >>> functrans.vmap(torch.dot)(x, x).shape
+    torch.Size([5])
+    """
+    if randomness not in _RANDOMNESS:
+        raise TransformArgumentError(
+            f"vmap: randomness must be one of {_RANDOMNESS}, got {randomness!r}.")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                   or chunk_size < 1):
+        raise TransformArgumentError(
+            f"vmap: chunk_size must be None or a positive int, got {chunk_size!r}. Use "
+            "chunk_size=None to run the whole batch at once.")
+    _check_dims_spec(in_dims, "in_dims")
+    _check_dims_spec(out_dims, "out_dims")
+
+    @functools.wraps(func)
+    def wrapped(*args, **kwargs):
+        return _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs)
+
+    return wrapped
+
+
+def _is_dim_leaf(x) -> bool:
+    return x is None or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def _check_dims_spec(spec, name: str) -> None:
+    leaves, _ = tree_flatten(spec)
+    for leaf in leaves:
+        if not _is_dim_leaf(leaf):
+            raise TransformArgumentError(
+                f"vmap: {name} must be an int, None, or a (nested) tuple/list/dict of those "
+                f"matching the structure of the {'inputs' if name == 'in_dims' else 'outputs'}; "
+                f"got {spec!r}, which contains {leaf!r} ({type(leaf).__name__}).")
+
+
+def _api_name(func, in_dims, out_dims) -> str:
+    name = getattr(func, "__name__", type(func).__name__)
+    return f"vmap({name}, in_dims={in_dims!r}, out_dims={out_dims!r})"
+
+
+def _flat_in_dims(in_dims, args: Tuple, api: str) -> List[Optional[int]]:
+    if isinstance(in_dims, (int, type(None))):
+        return broadcast_prefix(in_dims, args, _is_dim_leaf)
+    if not isinstance(in_dims, (tuple, list)):
+        raise TransformArgumentError(
+            f"{api}: in_dims must be an int, None, or a tuple with one entry per positional "
+            f"argument; got a {type(in_dims).__name__}. Wrap it in a tuple: in_dims=({in_dims!r},).")
+    if len(in_dims) != len(args):
+        raise TransformArgumentError(
+            f"{api}: in_dims has {len(in_dims)} entries but the function was called with "
+            f"{len(args)} positional arguments. Give one in_dim per positional argument "
+            "(None for arguments that are not mapped); keyword arguments are never mapped.")
+    flat = broadcast_prefix(tuple(in_dims), tuple(args), _is_dim_leaf)
+    if flat is None:
+        for i, (d, a) in enumerate(zip(in_dims, args)):
+            if broadcast_prefix(d, a, _is_dim_leaf) is None:
+                raise TransformArgumentError(
+                    f"{api}: in_dims[{i}]={d!r} does not match the structure of argument {i} "
+                    f"({describe_structure(a)}). An in_dim must be an int or None, or a "
+                    "container of the same structure as its argument.")
+        raise TransformArgumentError(f"{api}: in_dims {in_dims!r} do not match the inputs.")
+    return flat
+
+
+def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
+    api = _api_name(func, in_dims, out_dims)
+    flat_args, args_spec = tree_flatten(args)
+    flat_dims = _flat_in_dims(in_dims, args, api)
+    names = None
+    batch_size = None
+    sizes = []
+    for i, (a, d) in enumerate(zip(flat_args, flat_dims)):
+        if d is None:
+            continue
+        if not isinstance(a, torch.Tensor):
+            names = names or leaf_paths(args, "args")
+            raise TransformArgumentError(
+                f"{api}: in_dim={d} was given for {names[i]}, which is a "
+                f"{type(a).__name__}, not a tensor. vmap can only map over tensors; use "
+                f"in_dim None for that argument (pass in_dims as a tuple with None there).")
+        if isinstance(a, BatchedTensor) and not a.level.alive and \
+                torch._C._current_autograd_node() is None:
+            raise EscapedBatchedTensorError(
+                f"{api}: an input is a BatchedTensor whose vmap (level {a.level.id}) has "
+                "already returned; it escaped that vmap. Return it from that function instead.")
+        nd = a.dim()
+        if not -nd <= d < nd if nd else True:
+            names = names or leaf_paths(args, "args")
+            raise TransformArgumentError(
+                f"{api}: in_dim={d} is out of range for {names[i]}, a tensor of shape "
+                f"{tuple(a.shape)} ({nd} dims); expected an in_dim in [{-nd}, {nd - 1}]"
+                + (" — a 0-d tensor cannot be mapped; use in_dim None." if nd == 0 else "."))
+        d = d % nd
+        flat_dims[i] = d
+        sizes.append((i, d, a.shape[d]))
+    if not sizes:
+        raise TransformArgumentError(
+            f"{api}: no input is mapped (every in_dim is None, or there are no tensor inputs). "
+            "At least one tensor input must have an int in_dim to give the batch size.")
+    batch_size = sizes[0][2]
+    if any(s != batch_size for _, _, s in sizes):
+        names = names or leaf_paths(args, "args")
+        detail = "\n".join(f"  {names[i]} (in_dim={d}): size {s}" for i, d, s in sizes)
+        raise TransformArgumentError(
+            f"{api}: mapped inputs disagree on batch size:\n{detail}\nAll mapped dims must "
+            "have the same size; use in_dim None for an input shared by every example.")
+
+    if chunk_size is None or chunk_size >= batch_size:
+        flat_out, out_spec = _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims,
+                                  batch_size, randomness, api)
+        return tree_unflatten(flat_out, out_spec)
+    return _run_chunked(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size,
+                        randomness, chunk_size, api)
+
+
+def _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size, randomness, api):
+    level = _levels.VmapLevel(batch_size, randomness)
+    with _levels.pushed(level), VmapRandomMode(level):
+        batched = [a if d is None else add_batch_dim(a, d, level)
+                   for a, d in zip(flat_args, flat_dims)]
+        out = func(*tree_unflatten(batched, args_spec), **kwargs)
+        return _unwrap_outputs(out, out_dims, level, api)
+
+
+def _unwrap_outputs(out, out_dims, level, api):
+    flat_out, out_spec = tree_flatten(out)
+    if _is_dim_leaf(out_dims):
+        flat_dims = [out_dims] * len(flat_out)
+    else:
+        flat_dims = broadcast_prefix(out_dims, out, _is_dim_leaf)
+        if flat_dims is None:
+            raise TransformArgumentError(
+                f"{api}: out_dims={out_dims!r} does not match the structure of the function's "
+                f"output ({describe_structure(out)}). Give one int/None for every output, or a "
+                "single int for all of them.")
+    results = []
+    names = None
+    for i, (o, d) in enumerate(zip(flat_out, flat_dims)):
+        if not isinstance(o, torch.Tensor):
+            if d is None:
+                results.append(o)
+                continue
+            names = names or leaf_paths(out, "output")
+            raise TransformArgumentError(
+                f"{api}: the function returned a {type(o).__name__} at {names[i]}; vmap needs "
+                "tensor outputs so it can stack them along the batch dim. Return a tensor "
+                "(e.g. torch.tensor(value)) or set that output's out_dim to None.")
+        batched_here = isinstance(o, BatchedTensor) and o.level is level
+        if isinstance(o, BatchedTensor) and not batched_here and not o.level.alive:
+            raise EscapedBatchedTensorError(
+                f"{api}: the function returned a BatchedTensor of an inner vmap (level "
+                f"{o.level.id}) that has already returned; it escaped that vmap.")
+        if d is None:
+            if batched_here:
+                names = names or leaf_paths(out, "output")
+                raise TransformArgumentError(
+                    f"{api}: out_dim is None for {names[i]}, but that output depends on the "
+                    "mapped inputs (it differs across the batch). Give it an int out_dim, or "
+                    "return a value that does not depend on the batch.")
+            results.append(o)
+            continue
+        nd = o.dim() + 1
+        if not -nd <= d < nd:
+            names = names or leaf_paths(out, "output")
+            raise TransformArgumentError(
+                f"{api}: out_dim={d} is out of range for {names[i]}, which has {nd - 1} dims "
+                f"per example; expected an out_dim in [{-nd}, {nd - 1}].")
+        d %= nd
+        if batched_here:
+            results.append(remove_batch_dim(o, d))
+        else:
+            results.append(match_bdim(o, None, d, level.batch_size))
+    return results_with_dims(results, flat_dims), out_spec
+
+
+class results_with_dims(list):
+    """The flat outputs of one batched call, with the normalised out_dims (for chunking)."""
+
+    def __init__(self, results, dims):
+        super().__init__(results)
+        self.dims = [None if d is None else d % (r.dim() if isinstance(r, torch.Tensor) else 1)
+                     for r, d in zip(results, dims)]
+
+
+def _run_chunked(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size,
+                 randomness, chunk_size, api):
+    split = [a.split(chunk_size, d) if d is not None else None
+             for a, d in zip(flat_args, flat_dims)]
+    n_chunks = (batch_size + chunk_size - 1) // chunk_size
+    rng_state = torch.get_rng_state() if randomness == "same" else None
+    chunks_out = []
+    out_spec = None
+    for c in range(n_chunks):
+        if rng_state is not None:
+            torch.set_rng_state(rng_state)
+        chunk_args = [a if s is None else s[c] for a, s in zip(flat_args, split)]
+        size = min(chunk_size, batch_size - c * chunk_size)
+        flat_out, out_spec = _run(func, chunk_args, flat_dims, args_spec, kwargs, out_dims,
+                                  size, randomness, api)
+        chunks_out.append(flat_out)
+    dims = chunks_out[0].dims
+    merged = []
+    for k, d in enumerate(dims):
+        parts = [c[k] for c in chunks_out]
+        if d is None or not isinstance(parts[0], torch.Tensor):
+            merged.append(parts[0])
+        else:
+            merged.append(torch.cat(parts, d))
+    return tree_unflatten(merged, out_spec)

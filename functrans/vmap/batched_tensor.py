@@ -1,0 +1,72 @@
+"""``BatchedTensor``: the wrapper subclass that carries a batch dimension.
+
+A BatchedTensor reports the LOGICAL (per-example) shape, strides, dtype and device, and holds
+the physical tensor (``value``), the physical dim that is the batch (``bdim``) and the
+``VmapLevel`` it belongs to.  It never requires grad through its value: autograd records on the
+wrapper itself (see ``boundary.py``), and rules run on values that carry no autograd history.
+Every ATen op on it goes to ``functrans.vmap.dispatch.dispatch``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedUnderVmap
+
+
+class BatchedTensor(torch.Tensor):
+    value: torch.Tensor
+    bdim: int
+
+    @staticmethod
+    def __new__(cls, value: torch.Tensor, bdim: int, level):
+        shape = value.shape
+        stride = value.stride()
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            shape[:bdim] + shape[bdim + 1:],
+            strides=stride[:bdim] + stride[bdim + 1:],
+            dtype=value.dtype,
+            device=value.device,
+            layout=value.layout,
+            requires_grad=False,
+        )
+        out.value = value
+        out.bdim = bdim
+        out.level = level
+        return out
+
+    def __init__(self, value, bdim, level):  # state is set in __new__
+        pass
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs or {})
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"BatchedTensor(level={self.level.id}, bdim={self.bdim}, "
+                f"value={self.value!r})")
+
+    # Python-level conversions that cannot be batched: say so clearly.
+    def tolist(self):
+        raise UnsupportedUnderVmap(
+            "vmap: .tolist() was called on a batched tensor inside a vmapped function. "
+            "The batched value has no single per-example list. Return the tensor from the "
+            "function and call .tolist() on the result outside vmap.")
+
+    def numpy(self, *args, **kwargs):
+        raise UnsupportedUnderVmap(
+            "vmap: .numpy() was called on a batched tensor inside a vmapped function. "
+            "NumPy cannot see the batch dimension; compute with torch ops inside the function, "
+            "or return the tensor and call .numpy() on the result outside vmap.")
+
+    def __array__(self, *args, **kwargs):
+        return self.numpy()
+
+
+def is_batched(x) -> bool:
+    return isinstance(x, BatchedTensor)
+
+
+from .dispatch import dispatch as _dispatch  # noqa: E402  (circular: dispatch needs the class)

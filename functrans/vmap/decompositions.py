@@ -1,0 +1,63 @@
+"""Ops without a batching rule may be run through a ``torch._decomp`` decomposition.
+
+The decomposition runs on the wrappers themselves, so each of its ops re-dispatches into the
+batching rules.  The table is loaded lazily (importing ``torch._decomp`` is slow).  Some
+decompositions cannot run under vmap (they call ``.item()`` or write into a fresh unbatched
+tensor): when one raises, the op is remembered and sent to the loop fallback from then on, so a
+decomposition can only ever make an op faster, never wrong or broken.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, Optional, Set, Tuple
+
+import torch
+
+_table: Optional[Dict[Any, Callable]] = None
+_lock = threading.Lock()
+_failed: Set[Any] = set()
+
+# Decompositions known to be unsuitable under vmap (they are slower than the fallback, or
+# their semantics differ from the eager kernel).  Add entries with a reason.
+DENYLIST: Dict[str, str] = {}
+
+_tls = threading.local()
+
+
+def _load() -> Dict[Any, Callable]:
+    global _table
+    if _table is None:
+        with _lock:
+            if _table is None:
+                from torch._decomp import decomposition_table
+                _table = {op: fn for op, fn in decomposition_table.items()
+                          if isinstance(op, torch._ops.OpOverload)
+                          and op.name() not in DENYLIST}
+    return _table
+
+
+def has_decomposition(op) -> bool:
+    return op not in _failed and op in _load()
+
+
+def run_decomposition(op, args, kwargs) -> Tuple[bool, Any]:
+    """(True, result) if a decomposition of ``op`` ran on the wrappers, else (False, None)."""
+    if op in _failed:
+        return False, None
+    fn = _load().get(op)
+    if fn is None:
+        return False, None
+    from .. import config
+    from ..errors import UnsupportedUnderVmap
+    try:
+        return True, fn(*args, **kwargs)
+    except UnsupportedUnderVmap:
+        if config.is_strict() and getattr(_tls, "record_only", False):
+            raise
+        _failed.add(op)
+        return False, None
+    except Exception:
+        # The fallback re-runs the op per example: a genuine user error re-raises there with
+        # the eager kernel's own message.
+        _failed.add(op)
+        return False, None

@@ -1,0 +1,207 @@
+"""The body of ``BatchedTensor.__torch_dispatch__``.
+
+For one ATen call the dispatcher
+1. finds the highest vmap level among the arguments (only wrappers of that level are unwrapped;
+   wrappers of lower levels are ordinary tensors to this level, which is what makes nesting
+   work: a rule's own ops re-dispatch into the lower level);
+2. refuses a wrapper whose vmap already returned (an escaped BatchedTensor), except while the
+   autograd engine runs a backward pass recorded inside that vmap;
+3. checks cross-cutting conditions once for every op: in-place writes of batched values into
+   unbatched tensors, in-place metadata changes;
+4. looks the op up: overload -> packet -> tag -> decomposition -> loop fallback;
+5. wraps the physical outputs at the same level.
+
+Rules never see wrappers of their own level and never deal with the cases above.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import EscapedBatchedTensorError, UnsupportedUnderVmap
+from . import registry
+from .batched_tensor import BatchedTensor
+
+_BT = BatchedTensor
+
+
+class _OpMeta:
+    """Per-op facts computed once: which arguments the op writes to."""
+
+    __slots__ = ("mutable_pos", "mutable_kw", "inplace_view", "name")
+
+    def __init__(self, op: torch._ops.OpOverload):
+        self.name = str(op)
+        self.mutable_pos: List[int] = []
+        self.mutable_kw: List[str] = []
+        for i, a in enumerate(op._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                if a.kwarg_only:
+                    self.mutable_kw.append(a.name)
+                else:
+                    self.mutable_pos.append(i)
+        self.inplace_view = torch.Tag.inplace_view in op.tags
+
+
+_op_meta: Dict[torch._ops.OpOverload, _OpMeta] = {}
+
+
+def _meta(op) -> _OpMeta:
+    m = _op_meta.get(op)
+    if m is None:
+        m = _op_meta[op] = _OpMeta(op)
+    return m
+
+
+def _top_level(args, kwargs):
+    level = None
+    for a in args:
+        if type(a) is _BT:
+            if level is None or a.level.id > level.id:
+                level = a.level
+        elif type(a) in (list, tuple):
+            for b in a:
+                if type(b) is _BT and (level is None or b.level.id > level.id):
+                    level = b.level
+    for a in kwargs.values():
+        if type(a) is _BT:
+            if level is None or a.level.id > level.id:
+                level = a.level
+        elif type(a) in (list, tuple):
+            for b in a:
+                if type(b) is _BT and (level is None or b.level.id > level.id):
+                    level = b.level
+    return level
+
+
+def _unwrap(a, level):
+    """(physical value, bdim) of one argument at ``level``."""
+    if type(a) is _BT:
+        if a.level is level:
+            return a.value, a.bdim
+        return a, None
+    if type(a) in (list, tuple) and a and any(type(b) is _BT for b in a):
+        vals, dims = [], []
+        for b in a:
+            v, d = _unwrap(b, level)
+            vals.append(v)
+            dims.append(d)
+        return type(a)(vals), dims
+    return a, None
+
+
+def _wrap(out, out_dims, level):
+    if out_dims is None:
+        return out
+    if isinstance(out_dims, int):
+        return BatchedTensor(out, out_dims, level)
+    return type(out)(_wrap(o, d, level) for o, d in zip(out, out_dims))
+
+
+def _escaped_error(op, level) -> EscapedBatchedTensorError:
+    return EscapedBatchedTensorError(
+        f"vmap: {op} was called on a BatchedTensor of vmap level {level.id}, but that vmap has "
+        "already returned. The tensor escaped its vmap (through a closure, a global, a list "
+        "the function appended to, or a non-output attribute). Return it from the vmapped "
+        "function instead, so vmap can turn it into an ordinary tensor with the batch dim.")
+
+
+def _batched_any(dims) -> bool:
+    if dims is None:
+        return False
+    if isinstance(dims, int):
+        return True
+    return any(d is not None for d in dims)
+
+
+def _check_inplace(op, meta: _OpMeta, args, in_dims, kwargs, level) -> None:
+    for i in meta.mutable_pos:
+        if i < len(args) and in_dims[i] is None and isinstance(args[i], torch.Tensor):
+            if any(_batched_any(d) for j, d in enumerate(in_dims) if j != i) or any(
+                    type(v) is _BT and v.level is level for v in kwargs.values()):
+                raise _inplace_error(op, i)
+    for name in meta.mutable_kw:
+        out = kwargs.get(name)
+        if isinstance(out, torch.Tensor) and not (type(out) is _BT and out.level is level):
+            if any(_batched_any(d) for d in in_dims):
+                raise _inplace_error(op, name)
+
+
+def _inplace_error(op, which) -> UnsupportedUnderVmap:
+    arg = f"argument {which}" if isinstance(which, int) else f"the {which}= argument"
+    return UnsupportedUnderVmap(
+        f"vmap: {op} is an in-place operation that would write a batched value into "
+        f"{arg}, which is not batched (it was created inside the function with a factory like "
+        "torch.zeros(shape), or captured from outside vmap). Each example would need its own "
+        "copy of that tensor. Create it from a batched input instead, e.g. "
+        "torch.zeros_like(x) or x.new_zeros(shape), or use the out-of-place version of the op.")
+
+
+def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
+    level = _top_level(args, kwargs)
+    if not level.alive and torch._C._current_autograd_node() is None:
+        raise _escaped_error(op, level)
+
+    vals: List[Any] = []
+    in_dims: List[Any] = []
+    for a in args:
+        v, d = _unwrap(a, level)
+        vals.append(v)
+        in_dims.append(d)
+    kw_batched = False
+    if kwargs:
+        for v in kwargs.values():
+            if type(v) is _BT and v.level is level:
+                kw_batched = True
+                break
+
+    if not any(_batched_any(d) for d in in_dims) and not kw_batched:
+        # Nothing at this level is batched: run the op one level down.
+        return op(*vals, **kwargs)
+
+    meta = _op_meta.get(op) or _meta(op)
+    if meta.mutable_pos or meta.mutable_kw:
+        _check_inplace(op, meta, vals, in_dims, kwargs, level)
+    if meta.inplace_view:
+        raise UnsupportedUnderVmap(
+            f"vmap: {op} changes the shape or strides of a batched tensor in place, which "
+            "functrans cannot do to a BatchedTensor. Use the out-of-place version (e.g. "
+            "x = x.unsqueeze(0) instead of x.unsqueeze_(0)).")
+
+    how, rule = registry.find_rule(op)
+    if how == "cia":
+        return op.decompose(*args, **kwargs)
+    if kw_batched:
+        rule = None
+    if rule is None:
+        from .decompositions import run_decomposition
+        from .fallback import loop_fallback
+        done, result = run_decomposition(op, args, kwargs)
+        if done:
+            return result
+        out, out_dims = loop_fallback(op, level, vals, in_dims, kwargs)
+    else:
+        try:
+            out, out_dims = rule(level, in_dims, *vals, **kwargs)
+        except Exception as e:
+            if isinstance(e, (UnsupportedUnderVmap, EscapedBatchedTensorError)):
+                raise
+            e.add_note(f"(functrans: while batching {op} with in_dims={tuple(in_dims)}, "
+                       f"batch size {level.batch_size})")
+            raise
+
+    if meta.mutable_pos and meta.mutable_pos[0] == 0 and type(args[0]) is _BT \
+            and args[0].level is level:
+        return args[0]  # in-place ops return self: the rule wrote into its physical value
+    return _wrap(out, out_dims, level)
+
+
+def unwrap_at(level, args) -> Tuple[List[Any], List[Optional[int]]]:
+    """Public for rule authors and the fallback: physical values and in_dims at ``level``."""
+    vals, dims = [], []
+    for a in args:
+        v, d = _unwrap(a, level)
+        vals.append(v)
+        dims.append(d)
+    return vals, dims

@@ -1,0 +1,129 @@
+"""The per-example loop fallback: correct for any op, slow, and loud about it.
+
+For an op with no rule and no usable decomposition, slice every batched argument at each batch
+index, call the op on the slices, and stack the results.  In-place and ``out=`` ops write into
+slices (views) of their batched target, so the target is updated in place.  Non-tensor outputs
+must agree across the batch.  The fallback warns once per op with a ``PerformanceWarning`` that
+names the rules file where a rule belongs, and ``functrans.config.strict_fallback()`` turns it
+into an error.  ``record_fallbacks()`` observers see every call with its time.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Callable, List, Set
+
+import torch
+
+from .. import config
+from ..errors import PerformanceWarning, UnsupportedUnderVmap
+from .batched_tensor import BatchedTensor
+from .registry import family_of
+
+_warned: Set[Any] = set()
+observers: List[Callable[[Any, float], None]] = []
+
+
+def _slice(a, d, i):
+    if d is None:
+        return a
+    if isinstance(d, int):
+        return a.select(d, i)
+    return type(a)(_slice(x, dd, i) for x, dd in zip(a, d))
+
+
+def _stack(outs: List[Any], op):
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(outs), 0
+    if isinstance(first, (tuple, list)):
+        parts = [_stack([o[k] for o in outs], op) for k in range(len(first))]
+        return type(first)(p[0] for p in parts), type(first)(p[1] for p in parts)
+    if first is None or all(o == first for o in outs[1:]):
+        return first, None
+    raise UnsupportedUnderVmap(
+        f"vmap: {op} returned a Python value ({type(first).__name__}) that differs between "
+        "examples of the batch, so it cannot be returned as one value. Avoid data-dependent "
+        "Python values inside vmap; keep the computation in tensors (e.g. torch.where).")
+
+
+def _fallback_error(op) -> UnsupportedUnderVmap:
+    return UnsupportedUnderVmap(
+        f"vmap: there is no batching rule for {op}, and the loop fallback is disabled "
+        f"(functrans.config.strict_fallback). A rule for it belongs in "
+        f"functrans/vmap/rules/{family_of(op)}.py.")
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first frame outside functrans and torch (the user's line)."""
+    import os
+    import sys
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        fn = os.path.abspath(frame.f_code.co_filename)
+        if not fn.startswith(pkg) and not fn.startswith(torch_dir):
+            return level + 1
+        frame, level = frame.f_back, level + 1
+    return 2
+
+
+def loop_fallback(op, level, vals, in_dims, kwargs):
+    if config.is_strict():
+        raise _fallback_error(op)
+    if config.warn_on_fallback and op not in _warned:
+        _warned.add(op)
+        warnings.warn(
+            f"vmap: no batching rule for {op}; running a per-example loop over the batch, "
+            f"which is correct but slow (a rule for it belongs in "
+            f"functrans/vmap/rules/{family_of(op)}.py).", PerformanceWarning,
+            stacklevel=_user_stacklevel())
+    start = time.perf_counter() if observers else 0.0
+    size = level.batch_size
+    if size == 0:
+        raise UnsupportedUnderVmap(
+            f"vmap: {op} has no batching rule and the batch is empty (size 0), so the "
+            "per-example fallback cannot infer the output shape.")
+    kw_items = list(kwargs.items())
+    kw_vals, kw_dims = [], []
+    for _, v in kw_items:
+        if type(v) is BatchedTensor and v.level is level:
+            kw_vals.append(v.value)
+            kw_dims.append(v.bdim)
+        else:
+            kw_vals.append(v)
+            kw_dims.append(None)
+    outs = []
+    for i in range(size):
+        a_i = [_slice(a, d, i) for a, d in zip(vals, in_dims)]
+        k_i = {k: _slice(v, d, i) for (k, _), v, d in zip(kw_items, kw_vals, kw_dims)}
+        outs.append(op(*a_i, **k_i))
+
+    mutated = _mutated_targets(op, vals, in_dims, kw_items, kw_vals, kw_dims)
+    if mutated is not None:
+        result = mutated
+    else:
+        result = _stack(outs, op)
+    for obs in observers:
+        obs(op, time.perf_counter() - start)
+    return result
+
+
+def _mutated_targets(op, vals, in_dims, kw_items, kw_vals, kw_dims):
+    """For in-place / out= ops: the written (physical value, bdim) pairs, else None."""
+    schema = op._schema
+    written = []
+    pos_args = [a for a in schema.arguments if not a.kwarg_only]
+    for i, a in enumerate(pos_args):
+        if a.alias_info is not None and a.alias_info.is_write and i < len(vals):
+            written.append((vals[i], in_dims[i]))
+    for (name, _), v, d in zip(kw_items, kw_vals, kw_dims):
+        a = next((x for x in schema.arguments if x.name == name), None)
+        if a is not None and a.alias_info is not None and a.alias_info.is_write:
+            written.append((v, d))
+    if not written:
+        return None
+    if len(schema.returns) == 1 and len(written) >= 1:
+        return written[0]
+    return tuple(w[0] for w in written), tuple(w[1] for w in written)

@@ -1,0 +1,75 @@
+"""Pure helpers for batch-dim arithmetic.  Rules should read as calls to these.
+
+Conventions: ``bdim`` is the physical dimension of the batch in a physical tensor, or ``None``
+when the tensor is not batched at the current level.  "Logical" shapes and dims are what the
+user's per-example function sees; "physical" ones include the batch dimension.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def logical_rank(x: torch.Tensor, bdim: Optional[int]) -> int:
+    return x.dim() - (bdim is not None)
+
+
+def move_bdim_to_front(x: torch.Tensor, bdim: int) -> torch.Tensor:
+    """A view of ``x`` with its batch dim first (``bdim`` must not be None)."""
+    return x if bdim == 0 else x.movedim(bdim, 0)
+
+
+def ensure_bdim_front(x: torch.Tensor, bdim: Optional[int], size: int) -> torch.Tensor:
+    """Batch dim first; an unbatched ``x`` becomes an expanded view (no copy)."""
+    if bdim is None:
+        return x.expand(size, *x.shape)
+    return move_bdim_to_front(x, bdim)
+
+
+def normalize_dim(dim: int, rank: int) -> int:
+    """Wrap a possibly negative logical dim into ``[0, rank)`` (0-d tensors accept 0 and -1)."""
+    r = max(rank, 1)
+    if not -r <= dim < r:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-r}, {r - 1}], "
+                         f"but got {dim})")
+    return dim % r
+
+
+def physical_dim(logical_dim: int, bdim: int, rank: int) -> int:
+    """The physical dim of ``logical_dim`` in a tensor whose batch dim is ``bdim``."""
+    d = normalize_dim(logical_dim, rank)
+    return d + (d >= bdim)
+
+
+def front_dim(logical_dim: int, rank: int) -> int:
+    """The physical dim of ``logical_dim`` once the batch dim is at the front."""
+    return normalize_dim(logical_dim, rank) + 1
+
+
+def pad_to_rank(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """``x`` with batch dim first, padded with size-1 dims after it to logical rank ``rank``."""
+    missing = rank - (x.dim() - 1)
+    if missing <= 0:
+        return x
+    return x.reshape(x.shape[:1] + (1,) * missing + x.shape[1:])
+
+
+def match_bdim(x: torch.Tensor, src: Optional[int], dst: Optional[int],
+               size: int) -> torch.Tensor:
+    """Move (or create, by expanding) the batch dim of ``x`` from ``src`` to ``dst``.
+
+    This is the one place that turns a rule's output bdim into the user's ``out_dims``.
+    """
+    if dst is None:
+        return x
+    if src is None:
+        return x.unsqueeze(dst).expand(*x.shape[:dst], size, *x.shape[dst:])
+    return x if src == dst else x.movedim(src, dst)
+
+
+def first_bdim(in_dims: Sequence) -> Optional[int]:
+    for d in in_dims:
+        if d is not None:
+            return d
+    return None

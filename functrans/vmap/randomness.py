@@ -1,0 +1,106 @@
+"""Randomness under vmap for random ops that see no batched argument of this level.
+
+``torch.randn(3)`` inside a vmapped function has no tensor argument, so it never reaches
+``BatchedTensor.__torch_dispatch__``.  While a vmap runs, a ``TorchDispatchMode`` of its level is
+active; it looks only at ops tagged ``torch.Tag.nondeterministic_seeded`` whose arguments carry
+nothing batched at its level, and applies the level's randomness:
+
+* ``'error'``: raise, as torch.func does;
+* ``'same'``: run the op once; every example sees the same values (an unbatched result);
+* ``'different'``: give each example its own draw: factories with a ``size`` get the batch
+  size prepended; ops with tensor inputs run on inputs expanded along a new batch dim; anything
+  else is drawn once per example and stacked.  In-place random fills of an unbatched tensor
+  raise, since each example would need its own copy.
+
+Random ops on batched tensors are handled by the rules in ``rules/random.py``.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import UnsupportedUnderVmap
+from .batched_tensor import BatchedTensor
+
+_is_random: Dict[object, bool] = {}
+
+
+def is_random_op(op) -> bool:
+    r = _is_random.get(op)
+    if r is None:
+        r = _is_random[op] = torch.Tag.nondeterministic_seeded in op.tags
+    return r
+
+
+def random_error(op) -> UnsupportedUnderVmap:
+    return UnsupportedUnderVmap(
+        f"vmap: called the random operation {op} while randomness='error' (the default). "
+        "vmap cannot know whether each example should get its own random values. Pass "
+        "randomness='different' (independent values per example, e.g. for dropout in "
+        "per-sample training) or randomness='same' (one draw shared by the whole batch) to vmap.")
+
+
+def _batched_at(a, level) -> bool:
+    if type(a) is BatchedTensor:
+        return a.level is level
+    if type(a) in (list, tuple):
+        return any(type(b) is BatchedTensor and b.level is level for b in a)
+    return False
+
+
+class VmapRandomMode(TorchDispatchMode):
+    def __init__(self, level):
+        super().__init__()
+        self.level = level
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if is_random_op(func) and not any(_batched_at(a, self.level) for a in args) \
+                and not any(_batched_at(a, self.level) for a in kwargs.values()):
+            return unbatched_random(func, args, kwargs, self.level)
+        return func(*args, **kwargs)
+
+
+def unbatched_random(op, args, kwargs, level):
+    mode = level.randomness
+    if mode == "error":
+        raise random_error(op)
+    if mode == "same":
+        return op(*args, **kwargs)
+    schema = op._schema
+    for a in schema.arguments:
+        if a.alias_info is not None and a.alias_info.is_write:
+            raise UnsupportedUnderVmap(
+                f"vmap: {op} fills a tensor that is not batched with random values in place, "
+                "but randomness='different' asks for different values per example. Create the "
+                "tensor from a batched input (e.g. torch.empty_like(x).uniform_()) or draw "
+                "out-of-place with the batch in mind (torch.rand_like(x)).")
+    size = level.batch_size
+    names = [a.name for a in schema.arguments]
+    if "size" in names:
+        i = names.index("size")
+        args = list(args)
+        if i < len(args):
+            args[i] = [size, *args[i]]
+        else:
+            kwargs = dict(kwargs, size=[size, *kwargs["size"]])
+        return BatchedTensor(op(*args, **kwargs), 0, level)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if tensors and op.overloadpacket not in _LOOP_ONLY:
+        shape = torch.broadcast_shapes(*[t.shape for t in tensors])
+        new_args = [a.expand(size, *shape) if isinstance(a, torch.Tensor) else a for a in args]
+        out = op(*new_args, **kwargs)
+        if isinstance(out, tuple):
+            return tuple(BatchedTensor(o, 0, level) for o in out)
+        return BatchedTensor(out, 0, level)
+    outs = [op(*args, **kwargs) for _ in range(size)]
+    if isinstance(outs[0], tuple):
+        return tuple(BatchedTensor(torch.stack(o), 0, level) for o in zip(*outs))
+    return BatchedTensor(torch.stack(outs), 0, level)
+
+
+_aten = torch.ops.aten
+# Random ops that are not elementwise in their tensor inputs: draw per example instead.
+_LOOP_ONLY = {_aten.multinomial, _aten.randperm, _aten.rrelu_with_noise}

@@ -1,0 +1,146 @@
+"""The batching-rule registry: register rules, look them up, list coverage.
+
+A rule has the signature of ``torch.library.register_vmap``::
+
+    rule(info, in_dims, *args, **kwargs) -> (out, out_dims)
+
+``args`` are this level's physical values (tensors of lower levels are ordinary tensors here),
+``in_dims`` mirrors ``args`` (an int or None per tensor, a list of those per tensor list, None
+for everything else) and ``info`` is the ``VmapLevel`` (``batch_size``, ``randomness``).  The
+rule returns physical outputs and their bdims in the same structure.
+
+Lookup order for an op: its ``OpOverload``, then its ``OpOverloadPacket``, then a rule factory
+for one of its tags (``torch.Tag.pointwise``), then a decomposition, then the loop fallback.
+Resolutions are cached per op; registering a rule clears the cache.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, Optional, Set, Tuple, Union
+
+import torch
+
+Rule = Callable[..., Tuple[object, object]]
+OpLike = Union[torch._ops.OpOverload, torch._ops.OpOverloadPacket]
+
+_overload_rules: Dict[torch._ops.OpOverload, Rule] = {}
+_packet_rules: Dict[torch._ops.OpOverloadPacket, Rule] = {}
+_tag_rule_factories: Dict[torch.Tag, Callable[[torch._ops.OpOverload], Optional[Rule]]] = {}
+_families: Dict[OpLike, str] = {}
+_tag_families: Dict[torch.Tag, str] = {}
+_resolved_cache: Dict[torch._ops.OpOverload, Tuple[str, Optional[Rule]]] = {}
+
+
+def _family_of_rule(fn: Callable) -> str:
+    return getattr(fn, "__module__", "?").rsplit(".", 1)[-1]
+
+
+def register_batch_rule(ops, rule: Optional[Rule] = None, *, family: Optional[str] = None):
+    """Register ``rule`` for one op or several (``OpOverload`` or ``OpOverloadPacket``).
+
+    Usable as a decorator (``@register_batch_rule(aten.sum.dim_IntList)``) or called directly.
+    ``family`` defaults to the name of the module that defines the rule.
+    """
+    if isinstance(ops, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        ops = [ops]
+    ops = list(ops)
+
+    def register(fn: Rule) -> Rule:
+        fam = family or _family_of_rule(fn)
+        for op in ops:
+            if isinstance(op, torch._ops.OpOverloadPacket):
+                _packet_rules[op] = fn
+            elif isinstance(op, torch._ops.OpOverload):
+                _overload_rules[op] = fn
+            else:
+                raise TypeError(f"register_batch_rule: expected an OpOverload or "
+                                f"OpOverloadPacket, got {op!r}")
+            _families[op] = fam
+        _resolved_cache.clear()
+        return fn
+
+    return register if rule is None else register(rule)
+
+
+def register_tag_rule(tag: torch.Tag, factory, *, family: Optional[str] = None) -> None:
+    """Register ``factory(op) -> rule or None`` for every op carrying ``tag``."""
+    _tag_rule_factories[tag] = factory
+    _tag_families[tag] = family or _family_of_rule(factory)
+    _resolved_cache.clear()
+
+
+def find_rule(op: torch._ops.OpOverload) -> Tuple[str, Optional[Rule]]:
+    """``(how, rule)``: how is 'rule' or 'tag'; ('cia', None) for CompositeImplicitAutograd
+    ops, which the dispatcher decomposes; ('none', None) when no rule applies."""
+    hit = _resolved_cache.get(op)
+    if hit is not None:
+        return hit
+    if torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
+        # Reached only when called from inside another __torch_dispatch__ (autograd, which
+        # normally decomposes these, is excluded there): run the op's own decomposition.
+        hit = _resolved_cache[op] = ("cia", None)
+        return hit
+    rule = _overload_rules.get(op)
+    how = "rule"
+    if rule is None:
+        rule = _packet_rules.get(op.overloadpacket)
+    if rule is None:
+        how = "tag"
+        for tag in op.tags:
+            factory = _tag_rule_factories.get(tag)
+            if factory is not None:
+                rule = factory(op)
+                if rule is not None:
+                    break
+    hit = (how, rule) if rule is not None else ("none", None)
+    _resolved_cache[op] = hit
+    return hit
+
+
+def registered_ops(family: Optional[str] = None) -> Set[OpLike]:
+    """Ops with an explicit rule (overloads and packets), optionally of one family."""
+    ops: Iterable[OpLike] = list(_overload_rules) + list(_packet_rules)
+    return {op for op in ops if family is None or _families.get(op) == family}
+
+
+def tag_rule_ops(tag: torch.Tag) -> Set[torch._ops.OpOverload]:
+    """Every op that the rule factory for ``tag`` covers (and that has no explicit rule)."""
+    from .op_listing import all_overloads
+    out = set()
+    factory = _tag_rule_factories.get(tag)
+    if factory is None:
+        return out
+    for op in all_overloads():
+        if tag in op.tags and find_rule(op)[0] == "tag":
+            out.add(op)
+    return out
+
+
+def family_of(op: torch._ops.OpOverload) -> str:
+    """The rules file an op's rule lives in, or should live in."""
+    for key in (op, op.overloadpacket):
+        if key in _families:
+            return _families[key]
+    for tag in op.tags:
+        if tag in _tag_families:
+            return _tag_families[tag]
+    return _guess_family(op)
+
+
+def _guess_family(op: torch._ops.OpOverload) -> str:
+    name = op.overloadpacket.__name__
+    tags = set(op.tags)
+    if torch.Tag.nondeterministic_seeded in tags:
+        return "random"
+    if torch.Tag.reduction in tags:
+        return "reductions"
+    if torch.Tag.inplace in tags or name.endswith("_"):
+        return "inplace"
+    for key, fam in (("conv", "conv_pool_norm"), ("pool", "conv_pool_norm"),
+                     ("norm", "conv_pool_norm"), ("index", "indexing"), ("scatter", "indexing"),
+                     ("gather", "indexing"), ("embedding", "indexing"), ("linalg", "linalg"),
+                     ("mm", "linalg"), ("mv", "linalg"), ("_like", "factories"),
+                     ("new_", "factories"), ("backward", "autograd_ops"), ("fft", "fft")):
+        if key in name:
+            return fam
+    return "views"

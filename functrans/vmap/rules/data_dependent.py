@@ -1,0 +1,60 @@
+"""Data-dependent ops under vmap raise errors that say what happened and what to do.
+
+* ``.item()`` / ``bool()`` / ``int()`` / Python control flow on a batched value all reach
+  ``aten._local_scalar_dense``: one Python value cannot stand for a whole batch;
+* ops whose output shape depends on the data (``nonzero``, ``masked_select``, ``unique``...,
+  every op tagged ``dynamic_output_shape``) cannot be stacked into one tensor;
+* ops tagged ``data_dependent_output`` that return Python values (``equal``...).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...errors import UnsupportedUnderVmap
+from ..registry import register_batch_rule, register_tag_rule
+
+aten = torch.ops.aten
+
+
+@register_batch_rule(aten._local_scalar_dense.default)
+def local_scalar_dense_rule(info, in_dims, x):
+    raise UnsupportedUnderVmap(
+        "vmap: a batched tensor was converted to a Python number (aten._local_scalar_dense, "
+        "reached by .item(), bool(tensor), int()/float(), or Python control flow such as "
+        "`if x > 0:` / `while x.sum() > 1:`). Under vmap the value differs per example, so no "
+        "single Python value exists. Keep the computation in tensors: replace the branch with "
+        "torch.where(cond, a, b) (compute both sides), or move the control flow outside vmap.")
+
+
+def _dynamic_shape_rule_for(op):
+    def rule(info, in_dims, *args, **kwargs):
+        raise UnsupportedUnderVmap(
+            f"vmap: {op} returns a tensor whose shape depends on the values of its input, so "
+            "the per-example results could have different shapes and cannot be stacked into one "
+            "batched tensor. Use a fixed-shape formulation instead: torch.where(mask, x, 0) "
+            "instead of x[mask] / masked_select, a mask multiplied in instead of nonzero(), "
+            "or pad to a known size (e.g. nonzero_static / torch.unique(..., sorted) outside "
+            "vmap).")
+    rule.__name__ = f"dynamic_shape_error[{op}]"
+    return rule
+
+
+def _data_dependent_rule_for(op):
+    if op == aten._local_scalar_dense.default:
+        return None
+    if all(r.type.kind() == torch._C.TensorType.get().kind() for r in op._schema.returns):
+        return None  # returns tensors: an ordinary rule or the fallback can batch it
+    def rule(info, in_dims, *args, **kwargs):
+        raise UnsupportedUnderVmap(
+            f"vmap: {op} returns a Python value computed from the data of a batched tensor; "
+            "under vmap the value differs per example, so it cannot be one Python value. "
+            "Compare with tensor ops instead (e.g. (a == b).all(dim) or torch.isclose) and "
+            "keep the result as a tensor.")
+    rule.__name__ = f"data_dependent_error[{op}]"
+    return rule
+
+
+register_tag_rule(torch.Tag.dynamic_output_shape, _dynamic_shape_rule_for,
+                  family="data_dependent")
+register_tag_rule(torch.Tag.data_dependent_output, _data_dependent_rule_for,
+                  family="data_dependent")

@@ -1,0 +1,1 @@
+"""(being written) Batching rules for the linalg family."""

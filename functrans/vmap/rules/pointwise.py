@@ -1,0 +1,165 @@
+"""Pointwise ops: every op tagged ``torch.Tag.pointwise`` (unary, binary, ternary).
+
+One rule factory covers the tag.  Invariants:
+* all tensor arguments batched at the same bdim with the same rank: the op runs as is and the
+  output keeps that bdim (no copy, no movedim);
+* otherwise batched arguments get their bdim moved to the front and are padded with size-1 dims
+  to the largest logical rank, so broadcasting against unbatched tensors and Python scalars
+  lines up logically; the output bdim is 0;
+* in-place variants write into the physical ``self`` (a view of it when the bdim moves), so the
+  caller's tensor changes, and keep ``self``'s bdim;
+* type promotion follows the LOGICAL shapes: a batched 0-d tensor is physically 1-d, which would
+  otherwise promote like a dimensioned tensor (``float32[3] + float64 0-d`` is float32).
+  See Note [0-d promotion].
+
+Random ops (``bernoulli``...) carry the tag too but are owned by ``random.py``; ``out=``
+variants are left to the fallback.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..helpers import move_bdim_to_front, pad_to_rank
+from ..registry import register_tag_rule
+
+# Note [0-d promotion]
+# ATen promotes in three categories: dimensioned tensors, 0-d tensors, wrapped Python scalars;
+# a lower category only lifts the result's dtype if it is of a higher *kind* (bool < int <
+# float < complex).  Under vmap a logically 0-d batched tensor is physically dimensioned.  When
+# such an argument is mixed with logically dimensioned tensors and its dtype would win
+# physically but not logically, it is cast to the logical common dtype first; the kernel would
+# have computed in that dtype anyway.
+
+
+def _kind(dt: torch.dtype) -> int:
+    if dt == torch.bool:
+        return 0
+    if dt.is_complex:
+        return 3
+    if dt.is_floating_point:
+        return 2
+    return 1
+
+
+def _promote(a: Optional[torch.dtype], b: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return torch.promote_types(a, b)
+
+
+def _combine(higher: Optional[torch.dtype], lower: Optional[torch.dtype]):
+    if higher is None:
+        return lower
+    if lower is None:
+        return higher
+    if higher.is_complex:
+        return higher
+    if lower.is_complex:
+        if higher.is_floating_point:
+            return torch.promote_types(higher, torch.complex64) if higher != torch.float64 \
+                else torch.complex128
+        return lower
+    if higher.is_floating_point:
+        return higher
+    if higher == torch.bool or lower.is_floating_point:
+        return torch.promote_types(higher, lower)
+    return higher
+
+
+def _scalar_dtype(v) -> Optional[torch.dtype]:
+    if isinstance(v, bool):
+        return torch.bool
+    if isinstance(v, int):
+        return torch.int64
+    if isinstance(v, float):
+        return torch.get_default_dtype()
+    if isinstance(v, complex):
+        return torch.complex128 if torch.get_default_dtype() == torch.float64 \
+            else torch.complex64
+    return None
+
+
+def logical_result_type(args, in_dims) -> Optional[torch.dtype]:
+    """ATen's result type of ``args`` computed from their logical (per-example) ranks."""
+    dim = zero = wrapped = None
+    for a, d in zip(args, in_dims):
+        if isinstance(a, torch.Tensor):
+            if a.dim() - (d is not None) > 0:
+                dim = _promote(dim, a.dtype)
+            else:
+                zero = _promote(zero, a.dtype)
+        else:
+            wrapped = _promote(wrapped, _scalar_dtype(a))
+    return _combine(dim, _combine(zero, wrapped))
+
+
+def _fix_zero_dim_promotion(args, in_dims, ranks):
+    common = logical_result_type(args, in_dims)
+    if common is None:
+        return args
+    devices = {a.device for a, r in zip(args, ranks)
+               if isinstance(a, torch.Tensor) and r > 0}
+    out = list(args)
+    for i, (a, d, r) in enumerate(zip(args, in_dims, ranks)):
+        if d is None or r != 0 or a.dtype == torch.bool:
+            continue
+        if torch.promote_types(a.dtype, common) != common:
+            out[i] = a.to(common)
+        if len(devices) == 1 and a.device not in devices:
+            out[i] = out[i].to(next(iter(devices)))
+    return out
+
+
+def pointwise_rule_for(op: torch._ops.OpOverload):
+    schema = op._schema
+    if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+           for a in schema.arguments):
+        return None  # out= variants: the fallback writes into the out tensor per example
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return None  # random ops: rules/random.py
+    args_schema = schema.arguments
+    inplace = bool(args_schema) and args_schema[0].alias_info is not None \
+        and args_schema[0].alias_info.is_write
+
+    def rule(info, in_dims, *args, **kwargs):
+        bdim = None
+        uniform = True
+        ndim = None
+        for a, d in zip(args, in_dims):
+            if isinstance(a, torch.Tensor):
+                if d is None or (bdim is not None and d != bdim) or \
+                        (ndim is not None and a.dim() != ndim):
+                    uniform = False
+                    break
+                bdim, ndim = d, a.dim()
+        if uniform:
+            out = op(*args, **kwargs)
+            return out, (bdim if not isinstance(out, (tuple, list))
+                         else type(out)(bdim for _ in out))
+
+        ranks = [a.dim() - (d is not None) if isinstance(a, torch.Tensor) else -1
+                 for a, d in zip(args, in_dims)]
+        top = max(ranks)
+        if top > 0 and any(r == 0 and d is not None for r, d in zip(ranks, in_dims)):
+            args = _fix_zero_dim_promotion(args, in_dims, ranks)
+        new_args = []
+        for a, d in zip(args, in_dims):
+            if d is not None and isinstance(a, torch.Tensor):
+                a = pad_to_rank(move_bdim_to_front(a, d), top)
+            new_args.append(a)
+        out = op(*new_args, **kwargs)
+        if inplace:
+            return args[0], in_dims[0]
+        if isinstance(out, (tuple, list)):
+            return out, type(out)(0 for _ in out)
+        return out, 0
+
+    rule.__name__ = f"pointwise_rule[{op}]"
+    return rule
+
+
+register_tag_rule(torch.Tag.pointwise, pointwise_rule_for, family="pointwise")
