@@ -1,6 +1,6 @@
 """functrans: composable function transforms for PyTorch, on a batching-rule dispatcher.
 
-The public API mirrors ``torch.func``.
+The public API mirrors PyTorch's functional transforms (same names and signatures).
 """
 from .errors import (EscapedBatchedTensorError, FunctransError, PerformanceWarning,
                      TransformArgumentError, UnsupportedUnderVmap)

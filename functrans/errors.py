@@ -2,7 +2,7 @@
 
 Every error a user can trigger is a ``FunctransError`` (a ``RuntimeError``), so existing
 ``except RuntimeError`` code keeps working.  Bad arguments to a public API are
-``TransformArgumentError``, which is also a ``ValueError``, matching ``torch.func``.
+``TransformArgumentError``, which is also a ``ValueError``, as in PyTorch's own transforms.
 """
 from __future__ import annotations
 

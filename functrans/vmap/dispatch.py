@@ -7,7 +7,7 @@ For one ATen call the dispatcher
 2. refuses a wrapper whose vmap already returned (an escaped BatchedTensor), except while the
    autograd engine runs a backward pass recorded inside that vmap;
 3. checks cross-cutting conditions once for every op: in-place writes of batched values into
-   unbatched tensors, in-place metadata changes;
+   unbatched tensors, in-place metadata changes, random ops under randomness='error';
 4. looks the op up: overload -> packet -> tag -> decomposition -> loop fallback;
 5. wraps the physical outputs at the same level.
 
@@ -29,7 +29,8 @@ _BT = BatchedTensor
 class _OpMeta:
     """Per-op facts computed once: which arguments the op writes to."""
 
-    __slots__ = ("mutable_pos", "mutable_kw", "inplace_view", "name")
+    __slots__ = ("mutable_pos", "mutable_kw", "inplace_view", "random", "returns_self",
+                 "returns_none", "name")
 
     def __init__(self, op: torch._ops.OpOverload):
         self.name = str(op)
@@ -41,7 +42,12 @@ class _OpMeta:
                     self.mutable_kw.append(a.name)
                 else:
                     self.mutable_pos.append(i)
+        returns = op._schema.returns
+        self.returns_none = not returns
+        self.returns_self = bool(self.mutable_pos) and self.mutable_pos[0] == 0 and \
+            len(returns) == 1 and returns[0].alias_info is not None
         self.inplace_view = torch.Tag.inplace_view in op.tags
+        self.random = torch.Tag.nondeterministic_seeded in op.tags
 
 
 _op_meta: Dict[torch._ops.OpOverload, _OpMeta] = {}
@@ -163,6 +169,9 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
     meta = _op_meta.get(op) or _meta(op)
     if meta.mutable_pos or meta.mutable_kw:
         _check_inplace(op, meta, vals, in_dims, kwargs, level)
+    if meta.random and level.randomness == "error":
+        from .randomness import random_error
+        raise random_error(op)
     if meta.inplace_view:
         raise UnsupportedUnderVmap(
             f"vmap: {op} changes the shape or strides of a batched tensor in place, which "
@@ -191,9 +200,10 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
                        f"batch size {level.batch_size})")
             raise
 
-    if meta.mutable_pos and meta.mutable_pos[0] == 0 and type(args[0]) is _BT \
-            and args[0].level is level:
+    if meta.returns_self and type(args[0]) is _BT and args[0].level is level:
         return args[0]  # in-place ops return self: the rule wrote into its physical value
+    if meta.returns_none:
+        return None
     return _wrap(out, out_dims, level)
 
 

@@ -64,7 +64,7 @@ def _user_stacklevel() -> int:
     while frame is not None:
         fn = os.path.abspath(frame.f_code.co_filename)
         if not fn.startswith(pkg) and not fn.startswith(torch_dir):
-            return level + 1
+            return level
         frame, level = frame.f_back, level + 1
     return 2
 
@@ -124,6 +124,8 @@ def _mutated_targets(op, vals, in_dims, kw_items, kw_vals, kw_dims):
             written.append((v, d))
     if not written:
         return None
+    if not schema.returns:
+        return None, None
     if len(schema.returns) == 1 and len(written) >= 1:
         return written[0]
     return tuple(w[0] for w in written), tuple(w[1] for w in written)

@@ -5,7 +5,7 @@
 active; it looks only at ops tagged ``torch.Tag.nondeterministic_seeded`` whose arguments carry
 nothing batched at its level, and applies the level's randomness:
 
-* ``'error'``: raise, as torch.func does;
+* ``'error'``: raise, as PyTorch's own vmap does;
 * ``'same'``: run the op once; every example sees the same values (an unbatched result);
 * ``'different'``: give each example its own draw: factories with a ``size`` get the batch
   size prepended; ops with tensor inputs run on inputs expanded along a new batch dim; anything
