@@ -70,7 +70,9 @@ def test_fallback_tuple_outputs_and_in_dims():
 def test_fallback_inplace_into_batched_self():
     out = make_batch(torch.randn(3), 1, 4).T.contiguous().T  # bdim 1, non-default layout
     expected = out.clone() + 1.5
-    vmap(lambda o: torch.ops.functrans_test.add_into(o, torch.full((3,), 1.5)), in_dims=1)(out)
+    returned = vmap(lambda o: torch.ops.functrans_test.add_into(o, torch.full((3,), 1.5)),
+                    in_dims=1, out_dims=None)(out)
+    assert returned is None
     assert_same(out, expected)
 
 
