@@ -5,10 +5,17 @@ The public API mirrors PyTorch's functional transforms (same names and signature
 from .errors import (EscapedBatchedTensorError, FunctransError, PerformanceWarning,
                      TransformArgumentError, UnsupportedUnderVmap)
 from .vmap.api import vmap
+from .autodiff.grad import grad, grad_and_value
+from .autodiff.vjp import vjp
+from .autodiff.jvp import jvp, linearize
+from .autodiff.jacobians import jacrev, jacfwd, hessian
 from . import config
 
-vmap.__module__ = "functrans"
+for _f in (vmap, grad, grad_and_value, vjp, jvp, linearize, jacrev, jacfwd, hessian):
+    _f.__module__ = "functrans"
+del _f
 
-__all__ = ["vmap", "config", "FunctransError", "TransformArgumentError", "UnsupportedUnderVmap",
+__all__ = ["vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd",
+           "hessian", "config", "FunctransError", "TransformArgumentError", "UnsupportedUnderVmap",
            "EscapedBatchedTensorError", "PerformanceWarning"]
 __version__ = "0.1.0"

@@ -22,6 +22,7 @@ _tls = threading.local()
 
 class Level:
     __slots__ = ("id", "kind", "alive")
+    # kinds: "vmap" (VmapLevel), "grad" (grad/vjp/jacrev), "jvp" (forward mode)
 
     def __init__(self, kind: str):
         self.id = next(_ids)

@@ -1,8 +1,10 @@
 """``vmap``: argument checking, batch-size inference, chunking, and one batched call.
 
 One batched call pushes a ``VmapLevel`` (and its randomness mode), wraps each mapped input in a
-``BatchedTensor`` (differentiably), runs the function, and turns each output back into a
-physical tensor with its batch dim at ``out_dims`` (``helpers.match_bdim``).
+``BatchedTensor``, runs the function, and turns each output back into a physical tensor with its
+batch dim at ``out_dims`` (``helpers.match_bdim``).  Wrapping needs no autograd.Function: an input
+that carries autograd state keeps it on the physical value, and the dispatcher records the rules'
+physical ops (see Note [autograd on physical values] in dispatch.py).
 """
 from __future__ import annotations
 
@@ -14,9 +16,8 @@ import torch
 from .. import _levels
 from .._pytree import broadcast_prefix, describe_structure, leaf_paths, tree_flatten, \
     tree_unflatten
-from ..errors import EscapedBatchedTensorError, TransformArgumentError
+from ..errors import EscapedBatchedTensorError, TransformArgumentError, UnsupportedUnderVmap
 from .batched_tensor import BatchedTensor
-from .boundary import add_batch_dim, remove_batch_dim
 from .helpers import match_bdim
 from .randomness import VmapRandomMode
 
@@ -111,8 +112,25 @@ def _flat_in_dims(in_dims, args: Tuple, api: str) -> List[Optional[int]]:
     return flat
 
 
+class ForwardModeAroundVmap(Exception):
+    """Raised when vmap starts inside functrans.jvp's forward-AD level: jvp retries by the
+    double-vjp route.  See Note [autograd on physical values] in dispatch.py."""
+
+
+def _check_forward_ad(api: str) -> None:
+    if getattr(torch.autograd.forward_ad, "_current_level", -1) < 0:
+        return
+    if any(level.kind == "jvp" for level in _levels.stack()):
+        raise ForwardModeAroundVmap()
+    raise UnsupportedUnderVmap(
+        f"{api}: vmap was called inside a torch.autograd.forward_ad.dual_level() block. "
+        "Tangents of tensors outside the vmap cannot be propagated through it that way. Use "
+        "functrans.jvp (or jacfwd) around the vmapped function instead; it handles this case.")
+
+
 def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
     api = _api_name(func, in_dims, out_dims)
+    _check_forward_ad(api)
     flat_args, args_spec = tree_flatten(args)
     flat_dims = _flat_in_dims(in_dims, args, api)
     names = None
@@ -165,7 +183,7 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
 def _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size, randomness, api):
     level = _levels.VmapLevel(batch_size, randomness)
     with _levels.pushed(level), VmapRandomMode(level):
-        batched = [a if d is None else add_batch_dim(a, d, level)
+        batched = [a if d is None else BatchedTensor(a, d, level)
                    for a, d in zip(flat_args, flat_dims)]
         out = func(*tree_unflatten(batched, args_spec), **kwargs)
         return _unwrap_outputs(out, out_dims, level, api)
@@ -216,7 +234,7 @@ def _unwrap_outputs(out, out_dims, level, api):
                 f"per example; expected an out_dim in [{-nd}, {nd - 1}].")
         d %= nd
         if batched_here:
-            results.append(remove_batch_dim(o, d))
+            results.append(match_bdim(o.value, o.bdim, d, level.batch_size))
         else:
             results.append(match_bdim(o, None, d, level.batch_size))
     return results_with_dims(results, flat_dims), out_spec

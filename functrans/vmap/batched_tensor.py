@@ -2,9 +2,10 @@
 
 A BatchedTensor reports the LOGICAL (per-example) shape, strides, dtype and device, and holds
 the physical tensor (``value``), the physical dim that is the batch (``bdim``) and the
-``VmapLevel`` it belongs to.  It never requires grad through its value: autograd records on the
-wrapper itself (see ``boundary.py``), and rules run on values that carry no autograd history.
-Every ATen op on it goes to ``functrans.vmap.dispatch.dispatch``.
+``VmapLevel`` it belongs to.  Autograd state lives in one of two places: on the physical value
+when a transform outside the vmap differentiates through it, or on the wrapper when a transform
+inside the vmap does (see Note [autograd on physical values] in dispatch.py).  Every ATen op on
+it goes to ``functrans.vmap.dispatch.dispatch``.
 """
 from __future__ import annotations
 

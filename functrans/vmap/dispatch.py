@@ -12,9 +12,29 @@ For one ATen call the dispatcher
 5. wraps the physical outputs at the same level.
 
 Rules never see wrappers of their own level and never deal with the cases above.
+
+Note [autograd on physical values]
+Autograd runs above ``__torch_dispatch__`` and is switched off inside it.  When a physical value
+requires grad, the rule runs with autograd switched back on, so its physical ops are recorded on
+the physical values.  This is
+how a transform OUTSIDE a vmap sees through it (``grad(vmap(f))``, ``jacrev(jacrev(f))``, a
+parameter closed over by the vmapped function): its graph holds only physical tensors, so its
+backward never meets a BatchedTensor of a vmap that has returned, and gradients of unbatched
+tensors come out summed over the batch by ordinary broadcasting backward.  A transform INSIDE a
+vmap (``vmap(grad(f))``) differentiates the wrappers themselves: autograd records on the
+BatchedTensors of the live level, and the backward formulas are batched by the rules.  (When a
+closed-over tensor that requires grad meets a BatchedTensor, autograd also records a node on the
+wrapper; vmap returns the physical value, so that node is never differentiated through.)
+Forward-mode AD is the exception: a tangent on a plain tensor that meets a BatchedTensor would be
+propagated at both levels, which PyTorch cannot do.  So a ``jvp`` whose function runs a vmap takes
+the exact double-vjp route (reverse mode only), and a raw ``forward_ad.dual_level`` around a
+vmap is refused with an error (see ``vmap.api._check_forward_ad``).  Forward AD inside a vmap
+(``vmap(jvp(f))``) records on the wrappers and is fully supported.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -144,6 +164,36 @@ def _inplace_error(op, which) -> UnsupportedUnderVmap:
         "torch.zeros_like(x) or x.new_zeros(shape), or use the out-of-place version of the op.")
 
 
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality,
+                  torch._C.DispatchKey.ADInplaceOrView)
+
+
+def _carries_autograd(vals) -> bool:
+    """Does any physical value require grad (with grad mode on)?"""
+    if not torch.is_grad_enabled():
+        return False
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            if v.requires_grad:
+                return True
+        elif type(v) in (list, tuple):
+            for w in v:
+                if isinstance(w, torch.Tensor) and w.requires_grad:
+                    return True
+    return False
+
+
+def autograd_on_physical_values():
+    """Re-enable autograd (switched off inside __torch_dispatch__) for physical ops.
+    See Note [autograd on physical values]."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    if not exclude.has(_AUTOGRAD_KEYS[0]):
+        return contextlib.nullcontext()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
 def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
     level = _top_level(args, kwargs)
     if not level.alive and torch._C._current_autograd_node() is None:
@@ -164,6 +214,9 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
 
     if not any(_batched_any(d) for d in in_dims) and not kw_batched:
         # Nothing at this level is batched: run the op one level down.
+        if _carries_autograd(vals):
+            with autograd_on_physical_values():
+                return op(*vals, **kwargs)
         return op(*vals, **kwargs)
 
     meta = _op_meta.get(op) or _meta(op)
@@ -189,15 +242,16 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
         done, result = run_decomposition(op, args, kwargs)
         if done:
             return result
-        out, out_dims = loop_fallback(op, level, vals, in_dims, kwargs)
-    else:
+        rule = functools.partial(loop_fallback, op)
+    guard = autograd_on_physical_values() if _carries_autograd(vals) or (
+        kw_batched and _carries_autograd(list(kwargs.values()))) else contextlib.nullcontext()
+    with guard:
         try:
             out, out_dims = rule(level, in_dims, *vals, **kwargs)
         except Exception as e:
-            if isinstance(e, (UnsupportedUnderVmap, EscapedBatchedTensorError)):
-                raise
-            e.add_note(f"(functrans: while batching {op} with in_dims={tuple(in_dims)}, "
-                       f"batch size {level.batch_size})")
+            if not isinstance(e, (UnsupportedUnderVmap, EscapedBatchedTensorError)):
+                e.add_note(f"(functrans: while batching {op} with in_dims={tuple(in_dims)}, "
+                           f"batch size {level.batch_size})")
             raise
 
     if meta.returns_self and type(args[0]) is _BT and args[0].level is level:

@@ -69,7 +69,8 @@ def _user_stacklevel() -> int:
     return 2
 
 
-def loop_fallback(op, level, vals, in_dims, kwargs):
+def loop_fallback(op, level, in_dims, *vals, **kwargs):
+    """Run ``op`` per example; called like a rule (``rule(level, in_dims, *vals, **kwargs)``)."""
     if config.is_strict():
         raise _fallback_error(op)
     if config.warn_on_fallback and op not in _warned:

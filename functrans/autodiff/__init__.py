@@ -1,0 +1,1 @@
+"""Autodiff transforms (grad, vjp, jvp, linearize, jacrev, jacfwd, hessian) on PyTorch autograd."""

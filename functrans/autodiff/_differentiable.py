@@ -1,0 +1,109 @@
+"""Shared plumbing of the autodiff transforms: argnums, fresh differentiable aliases, has_aux,
+and the decision whether an outer computation needs a differentiable result.
+
+Each transform differentiates only with respect to FRESH aliases of its own inputs, so a nested
+transform never confuses its perturbation with an outer one's.  An alias of a tensor that already
+requires grad (an outer ``grad``, or ordinary autograd) is a view of it, so the result stays
+differentiable from outside; an alias of any other tensor is a new leaf.  Views also keep a
+forward-mode tangent, which is how ``jacfwd(jacrev(f))`` works.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Sequence, Tuple, Union
+
+import torch
+
+from .. import _levels
+from .._pytree import leaf_paths, tree_flatten, tree_unflatten
+from ..errors import TransformArgumentError
+
+Argnums = Union[int, Tuple[int, ...]]
+
+
+def normalize_argnums(argnums: Argnums, nargs: int, api: str) -> Argnums:
+    def one(a):
+        if not isinstance(a, int) or isinstance(a, bool):
+            raise TransformArgumentError(
+                f"{api}: argnums must be an int or a tuple of ints, got {argnums!r}.")
+        if not -nargs <= a < nargs:
+            raise TransformArgumentError(
+                f"{api}: argnums={argnums!r} is out of range: the function was called with "
+                f"{nargs} positional argument(s), so argnums must be in [{-nargs}, {nargs - 1}].")
+        return a % nargs
+    if isinstance(argnums, tuple):
+        if not argnums:
+            raise TransformArgumentError(f"{api}: argnums must not be an empty tuple.")
+        out = tuple(one(a) for a in argnums)
+        if len(set(out)) != len(out):
+            raise TransformArgumentError(f"{api}: argnums={argnums!r} has duplicates.")
+        return out
+    return one(argnums)
+
+
+def select_argnums(args: Sequence[Any], argnums: Argnums):
+    return tuple(args[i] for i in argnums) if isinstance(argnums, tuple) else args[argnums]
+
+
+def replace_argnums(args: Sequence[Any], argnums: Argnums, new) -> Tuple[Any, ...]:
+    out = list(args)
+    if isinstance(argnums, tuple):
+        for i, v in zip(argnums, new):
+            out[i] = v
+    else:
+        out[argnums] = new
+    return tuple(out)
+
+
+def differentiable_alias(x: torch.Tensor) -> torch.Tensor:
+    alias = x.view_as(x)
+    if not alias.requires_grad:
+        alias.requires_grad_()
+    return alias
+
+
+def make_differentiable(tree: Any, api: str, what: str) -> Tuple[Any, List[torch.Tensor]]:
+    """Fresh differentiable aliases of every leaf of ``tree`` (all must be float tensors)."""
+    flat, spec = tree_flatten(tree)
+    out = []
+    for i, leaf in enumerate(flat):
+        if not isinstance(leaf, torch.Tensor):
+            path = leaf_paths(tree, what)[i]
+            raise TransformArgumentError(
+                f"{api}: {path} is a {type(leaf).__name__}, not a tensor; it cannot be "
+                "differentiated. Differentiate only tensor arguments (choose them with "
+                "argnums) and pass other values as non-differentiated arguments.")
+        if not (leaf.is_floating_point() or leaf.is_complex()):
+            path = leaf_paths(tree, what)[i]
+            raise TransformArgumentError(
+                f"{api}: {path} has dtype {leaf.dtype}; only floating point and complex "
+                "tensors can be differentiated. Convert it (x.float()) or exclude it from "
+                "argnums.")
+        out.append(differentiable_alias(leaf))
+    return tree_unflatten(out, spec), out
+
+
+def outer_needs_graph(tensors: Sequence[Any]) -> bool:
+    """Whether the result must stay differentiable: ordinary autograd or an outer transform."""
+    if not torch.is_grad_enabled():
+        return False
+    if any(level.kind in ("grad", "jvp") for level in _levels.stack()):
+        return True
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def split_aux(out: Any, api: str):
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TransformArgumentError(
+            f"{api}: with has_aux=True the function must return a pair (output, aux); got "
+            f"{type(out).__name__}{'' if not isinstance(out, (tuple, list)) else f' of length {len(out)}'}. "
+            "Return `output, aux`, or set has_aux=False.")
+    return out[0], out[1]
+
+
+def detach_tree(tree: Any) -> Any:
+    flat, spec = tree_flatten(tree)
+    return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
+
+
+def zeros_for_none(grads, inputs) -> List[torch.Tensor]:
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]

@@ -1,0 +1,92 @@
+"""``grad`` and ``grad_and_value``: gradients of a scalar function w.r.t. chosen arguments.
+
+The gradient is taken with ``torch.autograd.grad`` w.r.t. fresh aliases of the chosen arguments;
+``create_graph`` is on only when ordinary autograd or an outer transform needs the result to be
+differentiable.  An outer ``torch.no_grad()`` is overridden (the transform still differentiates);
+a ``torch.no_grad()`` inside the function is respected.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from .. import _levels
+from .._pytree import tree_flatten, tree_unflatten
+from ..errors import TransformArgumentError
+from ._differentiable import (Argnums, detach_tree, make_differentiable, normalize_argnums,
+                              outer_needs_graph, replace_argnums, select_argnums, split_aux,
+                              zeros_for_none)
+
+
+def grad_and_value(func: Callable, argnums: Argnums = 0, has_aux: bool = False) -> Callable:
+    """Like ``grad``, but the function returns ``(gradient, value)``
+    (``((gradient, (value, aux))`` with ``has_aux``)."""
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        g, value, aux = grad_and_value_impl(func, argnums, has_aux, args, kwargs,
+                                            "grad_and_value")
+        return (g, (value, aux)) if has_aux else (g, value)
+    return wrapper
+
+
+def grad(func: Callable, argnums: Argnums = 0, has_aux: bool = False) -> Callable:
+    """The gradient of a function returning a scalar tensor, w.r.t. ``args[argnums]``.
+
+    Args:
+        func: returns a scalar (0-d) tensor, or ``(scalar, aux)`` with ``has_aux=True``.
+        argnums: which positional argument(s) to differentiate: an int or a tuple of ints.
+            An argument may be a pytree of tensors; its gradient has the same structure.
+        has_aux: whether ``func`` returns an auxiliary value that is passed through.
+
+    >>> import torch, functrans
+    >>> functrans.grad(lambda x: (x ** 2).sum())(torch.tensor([1., 2.]))
+    tensor([2., 4.])
+    """
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        g, _, aux = grad_and_value_impl(func, argnums, has_aux, args, kwargs, "grad")
+        return (g, aux) if has_aux else g
+    return wrapper
+
+
+def grad_and_value_impl(func, argnums, has_aux, args, kwargs, api):
+    """(gradient, value, aux) of ``func`` at ``args``; ``api`` names the caller in errors."""
+    api_call = f"{api}({getattr(func, '__name__', 'f')}, argnums={argnums!r})"
+    if not args:
+        raise TransformArgumentError(
+            f"{api_call}: the function was called with no positional arguments; {api} "
+            "differentiates w.r.t. positional arguments chosen by argnums.")
+    argnums = normalize_argnums(argnums, len(args), api_call)
+    chosen = select_argnums(args, argnums)
+    keep_graph = outer_needs_graph(tree_flatten(chosen)[0])
+    level = _levels.Level("grad")
+    with _levels.pushed(level), torch.enable_grad():
+        diff, flat_inputs = make_differentiable(chosen, api_call, f"args[{argnums}]"
+                                                if isinstance(argnums, int) else "args")
+        out = func(*replace_argnums(args, argnums, diff), **kwargs)
+        aux = None
+        if has_aux:
+            out, aux = split_aux(out, api_call)
+        if not isinstance(out, torch.Tensor):
+            raise TransformArgumentError(
+                f"{api_call}: the function must return a scalar tensor, got "
+                f"{type(out).__name__}. With an auxiliary output, return (loss, aux) and pass "
+                "has_aux=True.")
+        if out.dim() != 0:
+            raise TransformArgumentError(
+                f"{api_call}: the function must return a scalar (0-d) tensor, got shape "
+                f"{tuple(out.shape)}. Reduce it (e.g. .sum() or .mean()), or use vjp or jacrev "
+                "for non-scalar outputs.")
+        if out.requires_grad:
+            grads = torch.autograd.grad(out, flat_inputs, create_graph=keep_graph,
+                                        allow_unused=True)
+        else:
+            grads = [None] * len(flat_inputs)
+    grads = zeros_for_none(grads, flat_inputs)
+    _, spec = tree_flatten(chosen)
+    g = tree_unflatten(grads, spec)
+    if not keep_graph:
+        out, aux = out.detach(), detach_tree(aux)
+    return g, out, aux

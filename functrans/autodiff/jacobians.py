@@ -1,0 +1,145 @@
+"""``jacrev``, ``jacfwd`` and ``hessian``: Jacobians as ``vmap`` over ``vjp`` / ``jvp`` with
+standard-basis cotangents / tangents.
+
+Shapes nest as in PyTorch's transforms: for output leaf ``o`` and input leaf ``x`` the block has
+shape ``o.shape + x.shape``; the output's pytree is outside, the input's (and argnums') inside.
+``chunk_size`` bounds how many basis vectors are pushed at once (memory), for all three.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from .._pytree import tree_flatten, tree_unflatten
+from ..errors import TransformArgumentError
+from ..vmap.api import vmap
+from ._differentiable import Argnums, normalize_argnums, replace_argnums, select_argnums
+from .jvp import jvp_impl
+from .vjp import vjp_impl
+
+
+def _check_chunk_size(chunk_size, api):
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise TransformArgumentError(
+            f"{api}: chunk_size must be None or a positive int, got {chunk_size!r}.")
+
+
+def _basis(flat: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Standard basis vectors for a list of tensors, as one [N, *t.shape] block per tensor."""
+    sizes = [t.numel() for t in flat]
+    total = sum(sizes)
+    out = []
+    offset = 0
+    for t, n in zip(flat, sizes):
+        block = torch.zeros(total, n, dtype=t.dtype, device=t.device)
+        block[offset:offset + n].fill_diagonal_(1) if n else None
+        out.append(block.view(total, *t.shape))
+        offset += n
+    return out
+
+
+def _partial(func, args, argnums, kwargs):
+    def f(*diff):
+        chosen = diff if isinstance(argnums, tuple) else diff[0]
+        return func(*replace_argnums(args, argnums, chosen), **kwargs)
+    return f
+
+
+def _argnums_setup(func, argnums, args, kwargs, api):
+    if not args:
+        raise TransformArgumentError(f"{api}: the function was called with no positional "
+                                     "arguments; argnums chooses positional arguments.")
+    argnums = normalize_argnums(argnums, len(args), api)
+    chosen = select_argnums(args, argnums)
+    primals = chosen if isinstance(argnums, tuple) else (chosen,)
+    return argnums, primals, _partial(func, args, argnums, kwargs)
+
+
+def _nest(blocks, out_spec, in_structure, argnums):
+    """blocks[i][j]: block of output leaf i w.r.t. flat input leaf j -> nested result."""
+    flat_in, in_spec = in_structure
+    per_output = [tree_unflatten(row, in_spec) for row in blocks]
+    if not isinstance(argnums, tuple):
+        per_output = [p[0] for p in per_output]
+    return tree_unflatten(per_output, out_spec)
+
+
+def jacrev(func: Callable, argnums: Argnums = 0, *, has_aux: bool = False,
+           chunk_size: Optional[int] = None) -> Callable:
+    """The Jacobian of ``func`` w.r.t. ``args[argnums]`` by reverse mode (vmap over vjp)."""
+    api = "jacrev"
+    _check_chunk_size(chunk_size, api)
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        nums, primals, f = _argnums_setup(func, argnums, args, kwargs, api)
+        res = vjp_impl(f, primals, has_aux, api)
+        out, vjp_fn = res[0], res[1]
+        flat_out, out_spec = tree_flatten(out)
+        basis = _basis(flat_out)
+        flat_in, in_spec = tree_flatten(primals)
+        if basis and basis[0].shape[0] > 0:
+            grads = vmap(lambda *ct: vjp_fn(tree_unflatten(list(ct), out_spec)),
+                         chunk_size=chunk_size)(*basis)
+            flat_grads = tree_flatten(grads)[0]
+        else:
+            flat_grads = [x.new_zeros((0, *x.shape)) for x in flat_in]
+        blocks = []
+        offset = 0
+        for o in flat_out:
+            n = o.numel()
+            blocks.append([g[offset:offset + n].view(*o.shape, *x.shape)
+                           for g, x in zip(flat_grads, flat_in)])
+            offset += n
+        jac = _nest(blocks, out_spec, (flat_in, in_spec), nums)
+        return (jac, res[2]) if has_aux else jac
+
+    return wrapper
+
+
+def jacfwd(func: Callable, argnums: Argnums = 0, has_aux: bool = False, *,
+           randomness: str = "error", chunk_size: Optional[int] = None) -> Callable:
+    """The Jacobian of ``func`` w.r.t. ``args[argnums]`` by forward mode (vmap over jvp)."""
+    api = "jacfwd"
+    _check_chunk_size(chunk_size, api)
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        nums, primals, f = _argnums_setup(func, argnums, args, kwargs, api)
+        flat_in, in_spec = tree_flatten(primals)
+        basis = _basis(flat_in)
+
+        def push(*tangents):
+            res = jvp_impl(f, primals, tree_unflatten(list(tangents), in_spec), has_aux, api)
+            return (res[1], res[2]) if has_aux else res[1]
+
+        if has_aux:
+            tangents_out, aux = vmap(push, out_dims=(0, None), randomness=randomness,
+                                     chunk_size=chunk_size)(*basis)
+        else:
+            tangents_out = vmap(push, randomness=randomness, chunk_size=chunk_size)(*basis)
+        flat_t, out_spec = tree_flatten(tangents_out)
+        blocks = []
+        for t in flat_t:
+            o_shape = t.shape[1:]
+            row, offset = [], 0
+            for x in flat_in:
+                n = x.numel()
+                blk = t[offset:offset + n]                      # [n, *o_shape]
+                blk = blk.movedim(0, -1).reshape(*o_shape, *x.shape)
+                row.append(blk)
+                offset += n
+            blocks.append(row)
+        jac = _nest(blocks, out_spec, (flat_in, in_spec), nums)
+        return (jac, aux) if has_aux else jac
+
+    return wrapper
+
+
+def hessian(func: Callable, argnums: Argnums = 0, *, has_aux: bool = False,
+            chunk_size: Optional[int] = None) -> Callable:
+    """The Hessian of a scalar function: ``jacfwd(jacrev(func))`` (forward-over-reverse)."""
+    inner = jacrev(func, argnums, has_aux=has_aux, chunk_size=chunk_size)
+    return jacfwd(inner, argnums, has_aux=has_aux, chunk_size=chunk_size)

@@ -1,0 +1,182 @@
+"""``jvp`` and ``linearize``: forward-mode derivatives.
+
+``jvp`` runs on ``torch.autograd.forward_ad`` dual tensors.  PyTorch refuses nested dual levels,
+so when a forward-mode level is already active (``jvp(jvp(f))``, ``jacfwd(jacfwd(f))``), when
+an op has no forward-AD formula, or when ``func`` runs a vmap (see Note [autograd on physical
+values] in vmap/dispatch.py), jvp takes the double-vjp route instead:
+``J t = d/du <J^T u, t>``, two reverse passes, exact.  ``linearize`` uses the same identity so that
+it evaluates ``func`` once and each ``jvp_fn(t)`` is a single backward pass.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from .. import _levels
+from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
+from ..errors import TransformArgumentError
+from ..vmap.api import ForwardModeAroundVmap
+from ._differentiable import (detach_tree, make_differentiable, outer_needs_graph, split_aux,
+                              zeros_for_none)
+
+
+def _forward_ad_active() -> bool:
+    return getattr(fwAD, "_current_level", -1) >= 0
+
+
+def _check_primals_tangents(primals, tangents, api: str):
+    if not isinstance(primals, (tuple, list)):
+        raise TransformArgumentError(
+            f"{api}: primals must be a tuple of the function's positional arguments, got a "
+            f"{type(primals).__name__}. Wrap a single argument: primals=(x,).")
+    if not isinstance(tangents, (tuple, list)):
+        raise TransformArgumentError(
+            f"{api}: tangents must be a tuple with the structure of primals, got a "
+            f"{type(tangents).__name__}. Wrap a single tangent: tangents=(t,).")
+    flat_p, spec_p = tree_flatten(tuple(primals))
+    flat_t, spec_t = tree_flatten(tuple(tangents))
+    if spec_p != spec_t:
+        raise TransformArgumentError(
+            f"{api}: tangents must have the same structure as primals; primals are "
+            f"{describe_structure(tuple(primals))}, tangents are "
+            f"{describe_structure(tuple(tangents))}.")
+    names = None
+    for i, (p, t) in enumerate(zip(flat_p, flat_t)):
+        if not isinstance(t, torch.Tensor) or not isinstance(p, torch.Tensor):
+            names = names or leaf_paths(tuple(primals), "primals")
+            raise TransformArgumentError(
+                f"{api}: {names[i]} and its tangent must both be tensors, got "
+                f"{type(p).__name__} and {type(t).__name__}.")
+        if p.shape != t.shape:
+            names = names or leaf_paths(tuple(primals), "primals")
+            raise TransformArgumentError(
+                f"{api}: the tangent for {names[i]} has shape {tuple(t.shape)} but the primal "
+                f"has shape {tuple(p.shape)}; each tangent must have its primal's shape.")
+        if p.dtype != t.dtype:
+            names = names or leaf_paths(tuple(primals), "primals")
+            raise TransformArgumentError(
+                f"{api}: the tangent for {names[i]} has dtype {t.dtype} but the primal has "
+                f"dtype {p.dtype}; convert the tangent with .to({p.dtype}).")
+    return flat_p, flat_t, spec_p
+
+
+def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
+        has_aux: bool = False):
+    """``(func(*primals), J·tangents)`` (plus ``aux`` with ``has_aux``).
+
+    >>> import torch, functrans
+    >>> functrans.jvp(torch.sin, (torch.zeros(2),), (torch.ones(2),))
+    (tensor([0., 0.]), tensor([1., 1.]))
+    """
+    return jvp_impl(func, primals, tangents, has_aux, "jvp")
+
+
+def jvp_impl(func, primals, tangents, has_aux, api):
+    flat_p, flat_t, spec = _check_primals_tangents(primals, tangents, api)
+    if _forward_ad_active():
+        return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api)
+    try:
+        return _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api)
+    except ForwardModeAroundVmap:
+        return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api)
+    except RuntimeError as e:
+        if "forward AD" in str(e) and "not" in str(e) and "support" in str(e):
+            return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api)
+        raise
+
+
+def _check_outputs(out, api):
+    flat_out, out_spec = tree_flatten(out)
+    for i, o in enumerate(flat_out):
+        if not isinstance(o, torch.Tensor):
+            raise TransformArgumentError(
+                f"{api}: the function must return tensors (or pytrees of tensors); "
+                f"{leaf_paths(out, 'output')[i]} is a {type(o).__name__}. Return it as aux with "
+                "has_aux=True instead.")
+    return flat_out, out_spec
+
+
+def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api):
+    level = _levels.Level("jvp")
+    with _levels.pushed(level), fwAD.dual_level():
+        duals = [fwAD.make_dual(p, t) for p, t in zip(flat_p, flat_t)]
+        out = func(*tree_unflatten(duals, spec))
+        aux = None
+        if has_aux:
+            out, aux = split_aux(out, api)
+        flat_out, out_spec = _check_outputs(out, api)
+        primals_out, tangents_out = [], []
+        for o in flat_out:
+            p, t = fwAD.unpack_dual(o)
+            primals_out.append(p)
+            tangents_out.append(torch.zeros_like(p) if t is None else t)
+        if aux is not None:
+            aux = tree_unflatten([fwAD.unpack_dual(a).primal if isinstance(a, torch.Tensor)
+                                  else a for a in tree_flatten(aux)[0]], tree_flatten(aux)[1])
+    result = (tree_unflatten(primals_out, out_spec), tree_unflatten(tangents_out, out_spec))
+    return result + (aux,) if has_aux else result
+
+
+def _double_vjp_setup(func, flat_p, spec, has_aux, api):
+    """Run ``func`` once with a graph; return what J^T u and its derivative need."""
+    keep_graph = outer_needs_graph(flat_p)
+    diff, flat_in = make_differentiable(tree_unflatten(flat_p, spec), api, "primals")
+    out = func(*diff)
+    aux = None
+    if has_aux:
+        out, aux = split_aux(out, api)
+    flat_out, out_spec = _check_outputs(out, api)
+    live = [o for o in flat_out if o.requires_grad]
+    dummies = [torch.zeros_like(o).requires_grad_() for o in live]
+    if live:
+        vjps = torch.autograd.grad(live, flat_in, dummies, create_graph=True, allow_unused=True)
+    else:
+        vjps = [None] * len(flat_in)
+    return out, aux, flat_out, out_spec, flat_in, vjps, dummies, keep_graph
+
+
+def _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph):
+    pairs = [(v, t) for v, t in zip(vjps, flat_t) if v is not None and v.requires_grad]
+    if pairs and dummies:
+        grads = torch.autograd.grad([v for v, _ in pairs], dummies, [t for _, t in pairs],
+                                    retain_graph=True, create_graph=keep_graph,
+                                    allow_unused=True)
+    else:
+        grads = [None] * len(dummies)
+    grads = iter(grads)
+    return [torch.zeros_like(o) if not o.requires_grad else
+            (lambda g: torch.zeros_like(o) if g is None else g)(next(grads)) for o in flat_out]
+
+
+def _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api):
+    level = _levels.Level("grad")
+    with _levels.pushed(level), torch.enable_grad():
+        out, aux, flat_out, out_spec, flat_in, vjps, dummies, keep_graph = \
+            _double_vjp_setup(func, flat_p, spec, has_aux, api)
+        tangents_out = _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph)
+    primal_out = out if keep_graph else detach_tree(out)
+    result = (primal_out, tree_unflatten(tangents_out, out_spec))
+    if has_aux:
+        return result + (aux if keep_graph else detach_tree(aux),)
+    return result
+
+
+def linearize(func: Callable, *primals: Any):
+    """``(func(*primals), jvp_fn)`` where ``jvp_fn(*tangents)`` is the Jacobian-vector product
+    at ``primals``.  ``func`` runs once; each ``jvp_fn`` call is one backward pass."""
+    api = "linearize"
+    flat_p, spec = tree_flatten(tuple(primals))
+    level = _levels.Level("grad")
+    with _levels.pushed(level), torch.enable_grad():
+        out, _, flat_out, out_spec, flat_in, vjps, dummies, keep_graph = \
+            _double_vjp_setup(func, flat_p, spec, False, api)
+
+    def jvp_fn(*tangents):
+        _, flat_t, _ = _check_primals_tangents(primals, tangents, "linearize's jvp_fn")
+        with torch.enable_grad():
+            return tree_unflatten(
+                _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph), out_spec)
+
+    return (out if keep_graph else detach_tree(out)), jvp_fn

@@ -1,0 +1,96 @@
+"""``vjp``: the output of a function and a function that pulls cotangents back to its inputs.
+
+``vjp_fn`` may be called many times and under ``vmap`` (``vmap(vjp_fn)(basis)`` is a Jacobian):
+it calls ``torch.autograd.grad`` with ``retain_graph=True`` on the recorded graph, and batched
+cotangents flow through the backward formulas as BatchedTensors.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+import torch
+
+from .. import _levels
+from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
+from ..errors import TransformArgumentError
+from ._differentiable import (detach_tree, make_differentiable, outer_needs_graph, split_aux,
+                              zeros_for_none)
+
+
+def vjp(func: Callable, *primals: Any, has_aux: bool = False):
+    """Evaluate ``func(*primals)`` and return ``(output, vjp_fn)`` (``(output, vjp_fn, aux)``
+    with ``has_aux``).  ``vjp_fn(cotangents)`` returns a tuple with one gradient per primal.
+
+    >>> import torch, functrans
+    >>> out, vjp_fn = functrans.vjp(torch.sin, torch.zeros(3))
+    >>> vjp_fn(torch.ones(3))
+    (tensor([1., 1., 1.]),)
+    """
+    return vjp_impl(func, primals, has_aux, "vjp")
+
+
+def vjp_impl(func: Callable, primals: tuple, has_aux: bool, api: str):
+    keep_graph = outer_needs_graph(tree_flatten(primals)[0])
+    level = _levels.Level("grad")
+    with _levels.pushed(level), torch.enable_grad():
+        diff_primals, flat_inputs = make_differentiable(primals, api, "primals")
+        out = func(*diff_primals)
+        aux = None
+        if has_aux:
+            out, aux = split_aux(out, api)
+        flat_out, out_spec = tree_flatten(out)
+        for i, o in enumerate(flat_out):
+            if not isinstance(o, torch.Tensor):
+                raise TransformArgumentError(
+                    f"{api}: the function must return tensors (or pytrees of tensors); "
+                    f"{leaf_paths(out, 'output')[i]} is a {type(o).__name__}. Return it as aux "
+                    "with has_aux=True instead.")
+    vjp_fn = _make_vjp_fn(flat_out, out_spec, flat_inputs, primals, api)
+    result_out = out if keep_graph else detach_tree(out)
+    if has_aux:
+        return result_out, vjp_fn, (aux if keep_graph else detach_tree(aux))
+    return result_out, vjp_fn
+
+
+def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec, flat_inputs, primals, api: str):
+    _, primals_spec = tree_flatten(primals)
+
+    def vjp_fn(cotangents: Any, *, retain_graph: bool = True, create_graph: bool = None):
+        flat_ct, ct_spec = tree_flatten(cotangents)
+        if ct_spec != out_spec:
+            raise TransformArgumentError(
+                f"{api}: vjp_fn expects cotangents with the structure of the function's output "
+                f"({out_spec}), got {describe_structure(cotangents)}. Pass one cotangent per "
+                "output, in the same (nested) container.")
+        for i, (c, o) in enumerate(zip(flat_ct, flat_out)):
+            if not isinstance(c, torch.Tensor):
+                raise TransformArgumentError(
+                    f"{api}: cotangent {leaf_paths(cotangents, 'cotangents')[i]} is a "
+                    f"{type(c).__name__}; cotangents must be tensors.")
+            if c.shape != o.shape:
+                raise TransformArgumentError(
+                    f"{api}: cotangent {leaf_paths(cotangents, 'cotangents')[i]} has shape "
+                    f"{tuple(c.shape)} but the corresponding output has shape {tuple(o.shape)}; "
+                    "a cotangent must have the shape of its output.")
+            if c.dtype != o.dtype:
+                raise TransformArgumentError(
+                    f"{api}: cotangent {leaf_paths(cotangents, 'cotangents')[i]} has dtype "
+                    f"{c.dtype} but the corresponding output has dtype {o.dtype}; convert it with "
+                    f".to({o.dtype}).")
+        if create_graph is None:
+            create_graph = outer_needs_graph(flat_inputs + flat_ct) and torch.is_grad_enabled()
+        outs, cts = [], []
+        for o, c in zip(flat_out, flat_ct):
+            if o.requires_grad:
+                outs.append(o)
+                cts.append(c)
+        if outs:
+            with torch.enable_grad():
+                grads = torch.autograd.grad(outs, flat_inputs, cts, retain_graph=retain_graph,
+                                            create_graph=create_graph, allow_unused=True)
+        else:
+            grads = [None] * len(flat_inputs)
+        grads = zeros_for_none(grads, flat_inputs)
+        return tuple(tree_unflatten(grads, primals_spec))
+
+    return vjp_fn
