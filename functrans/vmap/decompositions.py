@@ -19,9 +19,15 @@ _failed: Set[Any] = set()
 
 # Decompositions known to be unsuitable under vmap (they are slower than the fallback, or
 # their semantics differ from the eager kernel).  Add entries with a reason.
-DENYLIST: Dict[str, str] = {}
+DENYLIST: Dict[str, str] = {
+    "aten::slice.Tensor": "lowers to as_strided with an absolute storage offset; a rule slices",
+}
 
 _tls = threading.local()
+
+# Only decompositions written in ATen ops.  The ``torch._refs`` entries lower to ``prims.*`` ops,
+# which have neither batching rules nor autograd formulas (a backward through them fails).
+_ATEN_LEVEL_MODULES = {"torch._decomp.decompositions"}
 
 
 def _load() -> Dict[Any, Callable]:
@@ -32,6 +38,7 @@ def _load() -> Dict[Any, Callable]:
                 from torch._decomp import decomposition_table
                 _table = {op: fn for op, fn in decomposition_table.items()
                           if isinstance(op, torch._ops.OpOverload)
+                          and getattr(fn, "__module__", "") in _ATEN_LEVEL_MODULES
                           and op.name() not in DENYLIST}
     return _table
 

@@ -69,8 +69,19 @@ def _user_stacklevel() -> int:
     return 2
 
 
+# Ops whose meaning depends on the storage layout (absolute offsets and strides): run per
+# example on slices of the batch they would read the wrong example's memory.
+STORAGE_DEPENDENT = {"as_strided", "as_strided_", "as_strided_copy", "as_strided_scatter",
+                     "set_", "_reshape_alias", "_reshape_alias_copy"}
+
+
 def loop_fallback(op, level, in_dims, *vals, **kwargs):
     """Run ``op`` per example; called like a rule (``rule(level, in_dims, *vals, **kwargs)``)."""
+    if op.overloadpacket.__name__ in STORAGE_DEPENDENT:
+        raise UnsupportedUnderVmap(
+            f"vmap: {op} addresses memory by absolute storage offsets and strides, which has no "
+            "per-example meaning for a batched tensor, and there is no batching rule for it. "
+            "Express the view with view/reshape/select/slice/unfold/diagonal instead.")
     if config.is_strict():
         raise _fallback_error(op)
     if config.warn_on_fallback and op not in _warned:
