@@ -50,7 +50,7 @@ class _OpMeta:
     """Per-op facts computed once: which arguments the op writes to."""
 
     __slots__ = ("mutable_pos", "mutable_kw", "inplace_view", "random", "returns_self",
-                 "returns_none", "name")
+                 "returns_none", "checked", "how", "rule", "generation", "name")
 
     def __init__(self, op: torch._ops.OpOverload):
         self.name = str(op)
@@ -68,6 +68,9 @@ class _OpMeta:
             len(returns) == 1 and returns[0].alias_info is not None
         self.inplace_view = torch.Tag.inplace_view in op.tags
         self.random = torch.Tag.nondeterministic_seeded in op.tags
+        self.checked = bool(self.mutable_pos or self.mutable_kw or self.random
+                            or self.inplace_view)
+        self.how, self.rule, self.generation = "none", None, -1
 
 
 _op_meta: Dict[torch._ops.OpOverload, _OpMeta] = {}
@@ -78,27 +81,6 @@ def _meta(op) -> _OpMeta:
     if m is None:
         m = _op_meta[op] = _OpMeta(op)
     return m
-
-
-def _top_level(args, kwargs):
-    level = None
-    for a in args:
-        if type(a) is _BT:
-            if level is None or a.level.id > level.id:
-                level = a.level
-        elif type(a) in (list, tuple):
-            for b in a:
-                if type(b) is _BT and (level is None or b.level.id > level.id):
-                    level = b.level
-    for a in kwargs.values():
-        if type(a) is _BT:
-            if level is None or a.level.id > level.id:
-                level = a.level
-        elif type(a) in (list, tuple):
-            for b in a:
-                if type(b) is _BT and (level is None or b.level.id > level.id):
-                    level = b.level
-    return level
 
 
 def _unwrap(a, level):
@@ -168,21 +150,6 @@ _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality,
                   torch._C.DispatchKey.ADInplaceOrView)
 
 
-def _carries_autograd(vals) -> bool:
-    """Does any physical value require grad (with grad mode on)?"""
-    if not torch.is_grad_enabled():
-        return False
-    for v in vals:
-        if isinstance(v, torch.Tensor):
-            if v.requires_grad:
-                return True
-        elif type(v) in (list, tuple):
-            for w in v:
-                if isinstance(w, torch.Tensor) and w.requires_grad:
-                    return True
-    return False
-
-
 def autograd_on_physical_values():
     """Re-enable autograd (switched off inside __torch_dispatch__) for physical ops.
     See Note [autograd on physical values]."""
@@ -194,48 +161,101 @@ def autograd_on_physical_values():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
+def _resolve(op, meta: _OpMeta) -> None:
+    meta.how, meta.rule = registry.find_rule(op)
+    meta.generation = registry.generation()
+
+
 def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
-    level = _top_level(args, kwargs)
+    # One pass to find the top level (wrappers of the highest level are unwrapped below).
+    level = None
+    for a in args:
+        t = type(a)
+        if t is _BT:
+            if level is None or a.level.id > level.id:
+                level = a.level
+        elif (t is list or t is tuple) and a:
+            for b in a:
+                if type(b) is _BT and (level is None or b.level.id > level.id):
+                    level = b.level
+    if kwargs:
+        for a in kwargs.values():
+            if type(a) is _BT:
+                if level is None or a.level.id > level.id:
+                    level = a.level
+            elif type(a) in (list, tuple):
+                for b in a:
+                    if type(b) is _BT and (level is None or b.level.id > level.id):
+                        level = b.level
     if not level.alive and torch._C._current_autograd_node() is None:
         raise _escaped_error(op, level)
 
+    meta = _op_meta.get(op) or _meta(op)
+    if meta.generation != registry.generation():
+        _resolve(op, meta)
+    if meta.how == "cia":
+        return op.decompose(*args, **kwargs)
+
+    # One pass to unwrap this level, with the bdims and whether autograd must see physical ops.
+    grad_on = torch.is_grad_enabled()
+    track = False
+    batched = False
     vals: List[Any] = []
     in_dims: List[Any] = []
     for a in args:
-        v, d = _unwrap(a, level)
-        vals.append(v)
-        in_dims.append(d)
+        t = type(a)
+        if t is _BT:
+            if a.level is level:
+                v = a.value
+                vals.append(v)
+                in_dims.append(a.bdim)
+                batched = True
+            else:
+                v = a
+                vals.append(a)
+                in_dims.append(None)
+            if grad_on and not track and v.requires_grad:
+                track = True
+        elif (t is list or t is tuple) and a and any(type(b) is _BT for b in a):
+            v, d = _unwrap(a, level)
+            vals.append(v)
+            in_dims.append(d)
+            batched = batched or any(x is not None for x in d)
+            if grad_on and not track:
+                track = any(isinstance(x, torch.Tensor) and x.requires_grad for x in v)
+        else:
+            vals.append(a)
+            in_dims.append(None)
+            if grad_on and not track and isinstance(a, torch.Tensor) and a.requires_grad:
+                track = True
     kw_batched = False
     if kwargs:
         for v in kwargs.values():
             if type(v) is _BT and v.level is level:
                 kw_batched = True
-                break
+            if grad_on and isinstance(v, torch.Tensor) and v.requires_grad:
+                track = True
 
-    if not any(_batched_any(d) for d in in_dims) and not kw_batched:
+    if not batched and not kw_batched:
         # Nothing at this level is batched: run the op one level down.
-        if _carries_autograd(vals):
+        if track:
             with autograd_on_physical_values():
                 return op(*vals, **kwargs)
         return op(*vals, **kwargs)
 
-    meta = _op_meta.get(op) or _meta(op)
-    if meta.mutable_pos or meta.mutable_kw:
-        _check_inplace(op, meta, vals, in_dims, kwargs, level)
-    if meta.random and level.randomness == "error":
-        from .randomness import random_error
-        raise random_error(op)
-    if meta.inplace_view:
-        raise UnsupportedUnderVmap(
-            f"vmap: {op} changes the shape or strides of a batched tensor in place, which "
-            "functrans cannot do to a BatchedTensor. Use the out-of-place version (e.g. "
-            "x = x.unsqueeze(0) instead of x.unsqueeze_(0)).")
+    if meta.checked:
+        if meta.mutable_pos or meta.mutable_kw:
+            _check_inplace(op, meta, vals, in_dims, kwargs, level)
+        if meta.random and level.randomness == "error":
+            from .randomness import random_error
+            raise random_error(op)
+        if meta.inplace_view:
+            raise UnsupportedUnderVmap(
+                f"vmap: {op} changes the shape or strides of a batched tensor in place, which "
+                "functrans cannot do to a BatchedTensor. Use the out-of-place version (e.g. "
+                "x = x.unsqueeze(0) instead of x.unsqueeze_(0)).")
 
-    how, rule = registry.find_rule(op)
-    if how == "cia":
-        return op.decompose(*args, **kwargs)
-    if kw_batched:
-        rule = None
+    rule = None if kw_batched else meta.rule
     if rule is None:
         from .decompositions import run_decomposition
         from .fallback import loop_fallback
@@ -243,29 +263,22 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
         if done:
             return result
         rule = functools.partial(loop_fallback, op)
-    guard = autograd_on_physical_values() if _carries_autograd(vals) or (
-        kw_batched and _carries_autograd(list(kwargs.values()))) else contextlib.nullcontext()
-    with guard:
-        try:
+    try:
+        if track:
+            with autograd_on_physical_values():
+                out, out_dims = rule(level, in_dims, *vals, **kwargs)
+        else:
             out, out_dims = rule(level, in_dims, *vals, **kwargs)
-        except Exception as e:
-            if not isinstance(e, (UnsupportedUnderVmap, EscapedBatchedTensorError)):
-                e.add_note(f"(functrans: while batching {op} with in_dims={tuple(in_dims)}, "
-                           f"batch size {level.batch_size})")
-            raise
+    except Exception as e:
+        if not isinstance(e, (UnsupportedUnderVmap, EscapedBatchedTensorError)):
+            e.add_note(f"(functrans: while batching {op} with in_dims={tuple(in_dims)}, "
+                       f"batch size {level.batch_size})")
+        raise
 
     if meta.returns_self and type(args[0]) is _BT and args[0].level is level:
         return args[0]  # in-place ops return self: the rule wrote into its physical value
     if meta.returns_none:
         return None
+    if type(out_dims) is int:
+        return BatchedTensor(out, out_dims, level)
     return _wrap(out, out_dims, level)
-
-
-def unwrap_at(level, args) -> Tuple[List[Any], List[Optional[int]]]:
-    """Public for rule authors and the fallback: physical values and in_dims at ``level``."""
-    vals, dims = [], []
-    for a in args:
-        v, d = _unwrap(a, level)
-        vals.append(v)
-        dims.append(d)
-    return vals, dims

@@ -28,6 +28,16 @@ _tag_rule_factories: Dict[torch.Tag, Callable[[torch._ops.OpOverload], Optional[
 _families: Dict[OpLike, str] = {}
 _tag_families: Dict[torch.Tag, str] = {}
 _resolved_cache: Dict[torch._ops.OpOverload, Tuple[str, Optional[Rule]]] = {}
+_generation = [0]  # bumped on every registration, so per-op caches elsewhere can refresh
+
+
+def generation() -> int:
+    return _generation[0]
+
+
+def _changed() -> None:
+    _resolved_cache.clear()
+    _generation[0] += 1
 
 
 def _family_of_rule(fn: Callable) -> str:
@@ -55,7 +65,7 @@ def register_batch_rule(ops, rule: Optional[Rule] = None, *, family: Optional[st
                 raise TypeError(f"register_batch_rule: expected an OpOverload or "
                                 f"OpOverloadPacket, got {op!r}")
             _families[op] = fam
-        _resolved_cache.clear()
+        _changed()
         return fn
 
     return register if rule is None else register(rule)
@@ -65,7 +75,7 @@ def register_tag_rule(tag: torch.Tag, factory, *, family: Optional[str] = None) 
     """Register ``factory(op) -> rule or None`` for every op carrying ``tag``."""
     _tag_rule_factories[tag] = factory
     _tag_families[tag] = family or _family_of_rule(factory)
-    _resolved_cache.clear()
+    _changed()
 
 
 def find_rule(op: torch._ops.OpOverload) -> Tuple[str, Optional[Rule]]:
