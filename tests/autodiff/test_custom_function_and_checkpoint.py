@@ -7,7 +7,15 @@ from torch.utils.checkpoint import checkpoint
 import functrans as ft
 from tests.oracles import assert_same
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """Compare exactly in float64 (float32 is exercised by the OpInfo sweep)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 class CubeSetupContext(torch.autograd.Function):

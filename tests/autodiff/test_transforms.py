@@ -7,7 +7,15 @@ import torch.nn.functional as F
 import functrans as ft
 from tests.oracles import assert_same
 
-torch.set_default_dtype(torch.float64)  # compare exactly; float32 is exercised by the sweep
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """Compare exactly in float64 (float32 is exercised by the OpInfo sweep)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def f_scalar(x):
