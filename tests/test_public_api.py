@@ -34,3 +34,28 @@ def test_package_imports_no_reference_module():
             bad += [f"{path.name}: {n}" for n in names if FORBIDDEN.search(n) or
                     n in ("torch.func", "torch.autograd.functional") or n.startswith("functorch")]
     assert not bad, bad
+
+
+def test_all_and_signatures_match_torch_func():
+    import inspect
+    import torch.func
+    names = ["vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd",
+             "hessian"]
+    assert set(names) <= set(functrans.__all__)
+    for name in names:
+        ours = inspect.signature(getattr(functrans, name)).parameters
+        ref = inspect.signature(getattr(torch.func, name)).parameters
+        # Every torch.func parameter (except private ones) exists, same kind, same default.
+        for p in ref.values():
+            if p.name.startswith("_"):
+                continue
+            assert p.name in ours, f"{name} lacks parameter {p.name}"
+            assert ours[p.name].kind == p.kind, f"{name}({p.name}) kind differs"
+            assert ours[p.name].default == p.default, f"{name}({p.name}) default differs"
+        assert getattr(functrans, name).__module__ == "functrans"
+
+
+def test_extend_module_exports_work():
+    from functrans import extend
+    for name in extend.__all__:
+        assert hasattr(extend, name)
