@@ -166,3 +166,41 @@ def test_linearize_evaluates_func_once():
     jvp_fn(t * 2)
     assert len(calls) == 1
     assert_same(jvp_fn(t), tf.jvp(f_vec, (x,), (t,))[1])
+
+
+def test_jacobians_of_pytree_outputs_wrt_pytree_inputs():
+    x = torch.randn(3)
+    p = {"w": torch.randn(2, 3), "b": torch.randn(2)}
+
+    def f(params, v):
+        h = params["w"] @ v + params["b"]
+        return {"h": h.tanh(), "pair": (h.sum(), v * 2)}
+
+    for argnums in (0, 1, (0, 1)):
+        assert_same(ft.jacrev(f, argnums=argnums)(p, x), tf.jacrev(f, argnums=argnums)(p, x))
+        assert_same(ft.jacfwd(f, argnums=argnums)(p, x), tf.jacfwd(f, argnums=argnums)(p, x))
+    g = lambda params, v: f(params, v)["h"].sum()
+    assert_same(ft.hessian(g, argnums=(0, 1))(p, x), tf.hessian(g, argnums=(0, 1))(p, x))
+
+
+def test_inputs_that_already_require_grad_like_nn_parameters():
+    lin = torch.nn.Linear(4, 3)
+    params = dict(lin.named_parameters())
+    x = torch.randn(4)
+    loss = lambda ps, v: torch.tanh(ps["weight"] @ v + ps["bias"]).sum()
+    ours, ref = ft.grad(loss)(params, x), tf.grad(loss)(params, x)
+    assert_same({k: v.detach() for k, v in ours.items()}, {k: v.detach() for k, v in ref.items()})
+    assert ours["weight"].requires_grad == ref["weight"].requires_grad
+    per_sample = ft.vmap(ft.grad(loss), in_dims=(None, 0))(params, torch.randn(5, 4))
+    assert per_sample["weight"].shape == (5, 3, 4)
+
+
+def test_has_aux_for_every_transform():
+    x, t = torch.randn(4), torch.randn(4)
+    f = lambda a: (f_vec(a), {"aux": a.cos()})
+    assert_same(ft.vjp(f, x, has_aux=True)[2], tf.vjp(f, x, has_aux=True)[2])
+    assert_same(ft.jvp(f, (x,), (t,), has_aux=True), tf.jvp(f, (x,), (t,), has_aux=True))
+    assert_same(ft.jacrev(f, has_aux=True)(x), tf.jacrev(f, has_aux=True)(x))
+    assert_same(ft.jacfwd(f, has_aux=True)(x), tf.jacfwd(f, has_aux=True)(x))
+    g = lambda a: (f_scalar(a), a.cos())
+    assert_same(ft.grad_and_value(g, has_aux=True)(x), tf.grad_and_value(g, has_aux=True)(x))
