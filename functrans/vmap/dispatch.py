@@ -161,6 +161,24 @@ def autograd_on_physical_values():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
+def _inplace_view(op, args, kwargs, level):
+    """``x.squeeze_()``, ``x.unsqueeze_(d)``, ``x.transpose_(a, b)``...: run the out-of-place
+    op, then rebind the wrapper to its result and update the wrapper's logical metadata."""
+    self_ = args[0]
+    name = op.overloadpacket.__name__.rstrip("_")
+    functional = getattr(torch.ops.aten, name, None) if name != "as_strided" else None
+    if type(self_) is not _BT or self_.level is not level or functional is None:
+        raise UnsupportedUnderVmap(
+            f"vmap: {op} changes the shape or strides of a tensor in place, and functrans has no "
+            "out-of-place counterpart for it under vmap. Use the out-of-place version "
+            "(e.g. x = x.unsqueeze(0) instead of x.unsqueeze_(0)).")
+    result = functional(*args, **kwargs)
+    self_.value, self_.bdim = result.value, result.bdim
+    with torch._C._DisableTorchDispatch():
+        torch.Tensor.as_strided_(self_, result.shape, result.stride())
+    return self_
+
+
 def _resolve(op, meta: _OpMeta) -> None:
     meta.how, meta.rule = registry.find_rule(op)
     meta.generation = registry.generation()
@@ -250,10 +268,7 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
             from .randomness import random_error
             raise random_error(op)
         if meta.inplace_view:
-            raise UnsupportedUnderVmap(
-                f"vmap: {op} changes the shape or strides of a batched tensor in place, which "
-                "functrans cannot do to a BatchedTensor. Use the out-of-place version (e.g. "
-                "x = x.unsqueeze(0) instead of x.unsqueeze_(0)).")
+            return _inplace_view(op, args, kwargs, level)
 
     rule = None if kw_batched else meta.rule
     if rule is None:

@@ -109,9 +109,15 @@ def test_tolist_and_numpy():
     raises(UnsupportedUnderVmap, r"\.numpy\(\).*outside vmap", lambda: vmap(lambda a: a.numpy())(x))
 
 
-def test_inplace_metadata_change():
-    raises(UnsupportedUnderVmap, r"unsqueeze_.*out-of-place",
-           lambda: vmap(lambda a: a.unsqueeze_(0))(x.clone()))
+def test_inplace_metadata_change_works():
+    def f(a):
+        a.unsqueeze_(0)
+        a.transpose_(0, 1)
+        a.squeeze_()
+        return a
+    torch.testing.assert_close(vmap(f)(x.clone()), x)
+    raises(UnsupportedUnderVmap, r"as_strided_.*",
+           lambda: vmap(lambda a: a.as_strided_((3,), (1,)))(x.clone()))
 
 
 def test_next_call_works_after_an_error():
