@@ -150,7 +150,8 @@ def _guess_family(op: torch._ops.OpOverload) -> str:
                      ("norm", "conv_pool_norm"), ("index", "indexing"), ("scatter", "indexing"),
                      ("gather", "indexing"), ("embedding", "indexing"), ("linalg", "linalg"),
                      ("mm", "linalg"), ("mv", "linalg"), ("_like", "factories"),
-                     ("new_", "factories"), ("backward", "autograd_ops"), ("fft", "fft")):
+                     ("new_", "factories"), ("loss", "losses"), ("backward", "autograd_ops"),
+                     ("fft", "fft")):
         if key in name:
             return fam
     return "views"
