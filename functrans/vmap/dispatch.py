@@ -67,7 +67,8 @@ class _OpMeta:
         self.returns_self = bool(self.mutable_pos) and self.mutable_pos[0] == 0 and \
             len(returns) == 1 and returns[0].alias_info is not None
         self.inplace_view = torch.Tag.inplace_view in op.tags
-        self.random = torch.Tag.nondeterministic_seeded in op.tags
+        from .randomness import is_random_op
+        self.random = is_random_op(op)
         self.checked = bool(self.mutable_pos or self.mutable_kw or self.random
                             or self.inplace_view)
         self.how, self.rule, self.generation = "none", None, -1
@@ -265,8 +266,9 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
         if meta.mutable_pos or meta.mutable_kw:
             _check_inplace(op, meta, vals, in_dims, kwargs, level)
         if meta.random and level.randomness == "error":
-            from .randomness import random_error
-            raise random_error(op)
+            from .randomness import draws_random, random_error
+            if draws_random(op, args, kwargs):
+                raise random_error(op)
         if meta.inplace_view:
             return _inplace_view(op, args, kwargs, level)
 

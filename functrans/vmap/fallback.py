@@ -84,6 +84,12 @@ def loop_fallback(op, level, in_dims, *vals, **kwargs):
             "Express the view with view/reshape/select/slice/unfold/diagonal instead.")
     if config.is_strict():
         raise _fallback_error(op)
+    from .randomness import draws_random
+    if level.randomness == "same" and draws_random(op, vals, kwargs):
+        raise UnsupportedUnderVmap(
+            f"vmap: {op} has no batching rule, and running it per example would give each "
+            "example different random values, but randomness='same' was asked for. Use "
+            "randomness='different', or draw the random values outside vmap and pass them in.")
     if config.warn_on_fallback and op not in _warned:
         _warned.add(op)
         warnings.warn(

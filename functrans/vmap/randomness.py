@@ -25,13 +25,40 @@ from ..errors import UnsupportedUnderVmap
 from .batched_tensor import BatchedTensor
 
 _is_random: Dict[object, bool] = {}
+# Random ops that lack the nondeterministic_seeded tag.
+_UNTAGGED_RANDOM = {"random_", "random"}
 
 
 def is_random_op(op) -> bool:
     r = _is_random.get(op)
     if r is None:
-        r = _is_random[op] = torch.Tag.nondeterministic_seeded in op.tags
+        r = _is_random[op] = (torch.Tag.nondeterministic_seeded in op.tags
+                              or op.overloadpacket.__name__ in _UNTAGGED_RANDOM)
     return r
+
+
+def _arg(op, args, kwargs, name, default):
+    for i, a in enumerate(op._schema.arguments):
+        if a.name == name:
+            if i < len(args) and not a.kwarg_only:
+                return args[i]
+            return kwargs.get(name, default)
+    return default
+
+
+def draws_random(op, args, kwargs) -> bool:
+    """Whether this call of a random op actually draws: attention and dropout with
+    ``dropout_p == 0`` or ``train=False`` are deterministic."""
+    if not is_random_op(op):
+        return False
+    names = {a.name for a in op._schema.arguments}
+    if "dropout_p" in names:
+        return _arg(op, args, kwargs, "dropout_p", 0.0) > 0
+    if op.overloadpacket.__name__ == "native_dropout":
+        return bool(_arg(op, args, kwargs, "train", True)) and _arg(op, args, kwargs, "p", 0) > 0
+    if "training" in names:
+        return bool(_arg(op, args, kwargs, "training", False))
+    return True
 
 
 def random_error(op) -> UnsupportedUnderVmap:
@@ -43,21 +70,30 @@ def random_error(op) -> UnsupportedUnderVmap:
 
 
 def _batched_at(a, level) -> bool:
+    """Does ``a`` carry a wrapper of ``level`` or of an inner level?  Such an op reaches this
+    level through the dispatcher (an inner level's rule calls ops on this level's wrappers)."""
     if type(a) is BatchedTensor:
-        return a.level is level
+        return a.level.id >= level.id
     if type(a) in (list, tuple):
-        return any(type(b) is BatchedTensor and b.level is level for b in a)
+        return any(type(b) is BatchedTensor and b.level.id >= level.id for b in a)
     return False
 
 
 class VmapRandomMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo by default, which
+        # costs microseconds on every op under vmap; this mode is never traced.
+        return False
+
     def __init__(self, level):
         super().__init__()
         self.level = level
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if is_random_op(func) and not any(_batched_at(a, self.level) for a in args) \
+        if is_random_op(func) and draws_random(func, args, kwargs) \
+                and not any(_batched_at(a, self.level) for a in args) \
                 and not any(_batched_at(a, self.level) for a in kwargs.values()):
             return unbatched_random(func, args, kwargs, self.level)
         return func(*args, **kwargs)

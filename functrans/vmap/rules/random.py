@@ -1,1 +1,162 @@
-"""(being written) Batching rules for the random family."""
+"""Random ops on batched tensors, for randomness='different' and 'same' ('error' is refused by
+the dispatcher before any rule runs; tensor-less random ops are handled in ../randomness.py).
+
+* Shape-only draws (values depend on the input's shape, not its values): rand_like,
+  randn_like, randint_like, bernoulli.p, uniform, normal_, exponential, geometric, cauchy,
+  log_normal, random_ and their in-place forms.  'different': one physical draw, every element
+  independent, bdim kept.  'same': one draw of the per-example shape, shared by the batch
+  (in-place forms copy it into every example).
+* Value-dependent draws: bernoulli (probabilities), normal with tensor mean/std, poisson,
+  _standard_gamma, native_dropout, multinomial.  'different': the inputs are aligned with the
+  batch first and drawn in one physical call.  'same': the random numbers are shared while the
+  per-example inputs differ — bernoulli and dropout share one uniform draw / one mask, normal
+  shares one standard-normal draw; ops whose samples cannot be split that way (poisson, gamma,
+  multinomial) raise.
+Random numbers are drawn with ops that take the physical value (``rand_like(value)``) so that an
+outer vmap level applies its own randomness to them.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...errors import UnsupportedUnderVmap
+from ..helpers import move_bdim_to_front, pad_to_rank
+from ..registry import register_batch_rule
+
+aten = torch.ops.aten
+
+
+def _example(x, bdim):
+    """A per-example-shaped template of a batched value (for 'same' draws)."""
+    return x.select(bdim, 0)
+
+
+def _shape_only_rule_for(op):
+    inplace = op._schema.arguments[0].alias_info is not None
+
+    def rule(info, in_dims, x, *args, **kwargs):
+        b = in_dims[0]
+        if info.randomness == "different":
+            out = op(x, *args, **kwargs)
+            return (x if inplace else out), b
+        if inplace:
+            draw = _example(x, b).clone()
+            op(draw, *args, **kwargs)
+            move_bdim_to_front(x, b).copy_(draw)
+            return x, b
+        return op(_example(x, b), *args, **kwargs), None
+    rule.__name__ = f"shape_only_random_rule[{op}]"
+    return rule
+
+
+_SHAPE_ONLY = [aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+               aten.randint_like.low_dtype, aten.bernoulli.p, aten.bernoulli_.float,
+               aten.uniform.default, aten.uniform_.default, aten.normal_.default,
+               aten.exponential.default, aten.exponential_.default, aten.geometric.default,
+               aten.geometric_.default, aten.cauchy.default, aten.cauchy_.default,
+               aten.log_normal.default, aten.log_normal_.default, aten.random_.default,
+               getattr(aten.random_, "from"), aten.random_.to]
+for _name in ("rand_like.generator", "randn_like.generator", "randint_like.generator",
+              "randint_like.low_generator_dtype", "randint_like.Tensor",
+              "randint_like.Tensor_generator"):
+    _packet, _ov = _name.split(".")
+    _op = getattr(getattr(aten, _packet), _ov, None)
+    if _op is not None:  # overloads differ between torch versions
+        _SHAPE_ONLY.append(_op)
+for _op in _SHAPE_ONLY:
+    register_batch_rule(_op, _shape_only_rule_for(_op))
+
+
+def _aligned(args, in_dims):
+    """Tensor args with the batch first and padded to a common logical rank (others as is)."""
+    ranks = [a.dim() - (d is not None) for a, d in zip(args, in_dims)
+             if isinstance(a, torch.Tensor)]
+    top = max(ranks) if ranks else 0
+    return [pad_to_rank(move_bdim_to_front(a, d), top) if d is not None and
+            isinstance(a, torch.Tensor) else a for a, d in zip(args, in_dims)]
+
+
+def _same_not_supported(op):
+    return UnsupportedUnderVmap(
+        f"vmap: {op} with batched inputs under randomness='same': its samples cannot share one "
+        "random draw across examples whose inputs differ. Use randomness='different', or draw "
+        "the samples outside vmap and pass them in.")
+
+
+def _value_dependent_rule_for(op, same=None):
+    def rule(info, in_dims, *args, **kwargs):
+        if info.randomness == "same":
+            if same is None:
+                raise _same_not_supported(op)
+            return same(info, in_dims, *args, **kwargs)
+        out = op(*_aligned(args, in_dims), **kwargs)
+        return out, (tuple(0 for _ in out) if isinstance(out, tuple) else 0)
+    rule.__name__ = f"value_random_rule[{op}]"
+    return rule
+
+
+def _bernoulli_same(info, in_dims, p, *, generator=None):
+    u = torch.rand_like(_example(p, in_dims[0]), dtype=p.dtype if p.is_floating_point()
+                        else torch.float32)
+    return (u < move_bdim_to_front(p, in_dims[0])).to(p.dtype), 0
+
+
+def _bernoulli_tensor_same(info, in_dims, x, p, *, generator=None):
+    template = x if in_dims[0] is None else _example(x, in_dims[0])
+    u = torch.rand_like(template, dtype=torch.float32 if not template.is_floating_point()
+                        else template.dtype)
+    shape_x, shape_p = _aligned([x, p], in_dims)
+    return (u < shape_p).to(x.dtype).expand_as(shape_x if in_dims[0] is not None else
+                                               torch.broadcast_tensors(shape_p, u)[0]), 0
+
+
+def _normal_same(info, in_dims, mean, std, *, generator=None):
+    m, s = _aligned([mean, std], in_dims)
+    logical = torch.broadcast_shapes(*[t.shape[1:] if d is not None else t.shape
+                                       for t, d in ((m, in_dims[0]), (s, in_dims[1]))
+                                       if isinstance(t, torch.Tensor)])
+    ref = m if isinstance(m, torch.Tensor) else s
+    z = torch.randn(logical, dtype=ref.dtype, device=ref.device)
+    return m + s * z, 0
+
+
+def _dropout_same(info, in_dims, x, p, train):
+    if not train or p == 0:
+        return aten.native_dropout.default(x, p, train), (in_dims[0], in_dims[0])
+    keep = torch.empty_like(_example(x, in_dims[0])).bernoulli_(1 - p).bool()
+    out = move_bdim_to_front(x, in_dims[0]) * keep * (1.0 / (1 - p))
+    return (out, keep), (0, None)
+
+
+register_batch_rule(aten.bernoulli.default,
+                    _value_dependent_rule_for(aten.bernoulli.default, _bernoulli_same))
+register_batch_rule(aten.bernoulli.Tensor,
+                    _value_dependent_rule_for(aten.bernoulli.Tensor, _bernoulli_tensor_same))
+for _op in (aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor):
+    register_batch_rule(_op, _value_dependent_rule_for(_op, _normal_same))
+register_batch_rule(aten.native_dropout.default,
+                    _value_dependent_rule_for(aten.native_dropout.default, _dropout_same))
+for _op in (aten.poisson.default, aten._standard_gamma.default):
+    register_batch_rule(_op, _value_dependent_rule_for(_op))
+
+
+@register_batch_rule(aten.bernoulli_.Tensor)
+def bernoulli__tensor_rule(info, in_dims, x, p, *, generator=None):
+    b = in_dims[0]
+    if info.randomness == "same":
+        draw, _ = _bernoulli_tensor_same(info, in_dims, x, p)
+        move_bdim_to_front(x, b).copy_(draw)
+    else:
+        target, prob = _aligned([x, p], in_dims)
+        target.bernoulli_(prob)
+    return x, b
+
+
+@register_batch_rule(aten.multinomial.default)
+def multinomial_rule(info, in_dims, probs, num_samples, replacement=False, *, generator=None):
+    if info.randomness == "same":
+        raise _same_not_supported(aten.multinomial.default)
+    p = move_bdim_to_front(probs, in_dims[0])
+    rows = p.reshape(-1, p.shape[-1])
+    out = torch.multinomial(rows, num_samples, replacement)
+    return out.view(*p.shape[:-1], num_samples), 0
