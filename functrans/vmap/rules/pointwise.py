@@ -124,6 +124,9 @@ def pointwise_rule_for(op: torch._ops.OpOverload):
     args_schema = schema.arguments
     inplace = bool(args_schema) and args_schema[0].alias_info is not None \
         and args_schema[0].alias_info.is_write
+    # Backward kernels (gelu_backward...) always see equal shapes in eager, and some CPU kernels
+    # cannot broadcast: give their unbatched tensors the full batched shape (a stride-0 view).
+    same_shapes = op.overloadpacket.__name__.endswith("_backward")
 
     def rule(info, in_dims, *args, **kwargs):
         bdim = None
@@ -151,6 +154,11 @@ def pointwise_rule_for(op: torch._ops.OpOverload):
             if d is not None and isinstance(a, torch.Tensor):
                 a = pad_to_rank(move_bdim_to_front(a, d), top)
             new_args.append(a)
+        if same_shapes:
+            tensors = [a for a in new_args if isinstance(a, torch.Tensor) and a.dim() > 0]
+            shape = torch.broadcast_shapes(*[t.shape for t in tensors])
+            new_args = [a.expand(shape) if isinstance(a, torch.Tensor) and a.dim() > 0
+                        and a.shape != shape else a for a in new_args]
         out = op(*new_args, **kwargs)
         if inplace:
             return args[0], in_dims[0]

@@ -1,0 +1,213 @@
+"""OpInfo-driven checks of vjp, jvp, vmap∘vjp and vmap∘jvp, functrans beside torch.func.
+
+For every op of ``op_db`` (CPU, float32, a few samples) the function under test takes every
+floating tensor of the sample as a differentiated input and returns the op's floating outputs.
+References never use a transform library: plain ``torch.autograd.grad`` for vjp and
+``torch.autograd.forward_ad`` for jvp, and for the vmapped checks a for-loop of those over a batch
+of DIFFERENT cotangents / primals+tangents.  Each check's outcome, per implementation:
+
+* ``pass``, ``error`` (the message is kept), ``wrong`` (a value differs: the test FAILS on it
+  for functrans), or ``oracle_invalid`` (the reference itself fails, e.g. no forward-AD formula).
+
+Run ``python -m tests.autodiff.opinfo_autodiff [--full] [--ops a,b]`` for the report.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.func as tf
+import torch.utils._pytree as pytree
+
+import functrans as ft
+from tests.opinfo_sweep import FAST_OPS, all_ops, compare, flatten_sample, op_id, skip_reason
+from tests.oracles import perturb_like
+
+CHECKS = ("vjp", "jvp", "vmap_vjp", "vmap_jvp")
+IMPLS = {"functrans": ft, "torch.func": tf}
+B = 3
+FAST_SAMPLES, FULL_SAMPLES = 2, 3
+
+
+def _float_outputs(out) -> List[torch.Tensor]:
+    return [o for o in pytree.tree_flatten(out)[0]
+            if isinstance(o, torch.Tensor) and o.is_floating_point()]
+
+
+def _ref_vjp(g, diff, cts):
+    xs = [d.detach().clone().requires_grad_() for d in diff]
+    with torch.enable_grad():
+        outs = g(*xs)
+        live = [(o, c) for o, c in zip(outs, cts) if o.requires_grad]
+        if not live:
+            return tuple(torch.zeros_like(x) for x in xs)
+        grads = torch.autograd.grad([o for o, _ in live], xs, [c for _, c in live],
+                                    allow_unused=True)
+    return tuple(torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, xs))
+
+
+def _ref_jvp(g, diff, tangents):
+    with fwAD.dual_level():
+        outs = g(*[fwAD.make_dual(d, t) for d, t in zip(diff, tangents)])
+        res = []
+        for o in outs:
+            p, t = fwAD.unpack_dual(o)
+            res.append((p.detach(), torch.zeros_like(p) if t is None else t.detach()))
+    return tuple(p for p, _ in res), tuple(t for _, t in res)
+
+
+def _batch(x, k):
+    return torch.stack([perturb_like(x, 100 * k + i) for i in range(B)])
+
+
+def _checks_for(g, diff) -> Dict[str, tuple]:
+    """check -> (run(impl), reference())"""
+    outs0 = g(*diff)
+    cts = tuple(perturb_like(o, 7) for o in outs0)
+    tangents = tuple(perturb_like(d, 11) for d in diff)
+    CT = tuple(_batch(c, 1) for c in cts)
+    X = tuple(_batch(d, 2) for d in diff)
+    T = tuple(_batch(t, 3) for t in tangents)
+    n = len(diff)
+
+    def loop(fn, *batches):
+        outs = [fn(*[b[i] for b in batches]) for i in range(B)]
+        return pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
+
+    return {
+        "vjp": (lambda m: m.vjp(g, *diff)[1](cts), lambda: _ref_vjp(g, diff, cts)),
+        "jvp": (lambda m: m.jvp(g, diff, tangents), lambda: _ref_jvp(g, diff, tangents)),
+        "vmap_vjp": (lambda m: m.vmap(m.vjp(g, *diff)[1])(CT),
+                     lambda: loop(lambda *c: _ref_vjp(g, diff, c), *CT)),
+        "vmap_jvp": (lambda m: m.vmap(lambda *a: m.jvp(g, a[:n], a[n:]))(*X, *T),
+                     lambda: loop(lambda *a: _ref_jvp(g, a[:n], a[n:]), *X, *T)),
+    }
+
+
+def sweep_op(op, *, full: bool, impls: Sequence[str] = tuple(IMPLS)) -> Dict[str, object]:
+    """{"skipped": reason} or {(impl, check): [outcome or 'error: msg', ...]}"""
+    reason = skip_reason(op)
+    if reason:
+        return {"skipped": reason}
+    if not op.supports_autograd:
+        return {"skipped": "no autograd support"}
+    results: Dict[object, List[str]] = collections.defaultdict(list)
+    n_samples = FULL_SAMPLES if full else FAST_SAMPLES
+    try:
+        samples = list(op.sample_inputs("cpu", torch.float32))[:n_samples]
+    except Exception as e:  # pragma: no cover - OpInfo sample generation itself failed
+        return {"skipped": f"samples: {e}"}
+    for sample in samples:
+        flat, why = flatten_sample(op, sample)
+        if flat is None:
+            continue
+        pos = [i for i, t in enumerate(flat.tensors) if t.is_floating_point()]
+        base = list(flat.tensors)
+
+        def g(*diff, _pos=pos, _base=base, _call=flat.call):
+            args = list(_base)
+            for i, d in zip(_pos, diff):
+                args[i] = d
+            return tuple(_float_outputs(_call(*args)))
+
+        diff = tuple(base[i] for i in pos)
+        try:
+            if not g(*diff):
+                continue
+            checks = _checks_for(g, diff)
+        except Exception:
+            continue
+        for name, (run, ref) in checks.items():
+            if name.endswith("jvp") and not op.supports_forward_ad:
+                continue
+            try:
+                expected = ref()
+            except Exception:
+                for impl in impls:
+                    results[(impl, name)].append("oracle_invalid")
+                continue
+            for impl in impls:
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        actual = run(IMPLS[impl])
+                    diffmsg = compare(actual, expected)
+                    results[(impl, name)].append("pass" if diffmsg is None or
+                                                 diffmsg.startswith("only non-finite")
+                                                 else f"wrong: {diffmsg}")
+                except Exception as e:
+                    results[(impl, name)].append(f"error: {type(e).__name__}: "
+                                                 + str(e).split(chr(10))[0][:160])
+    return dict(results) if results else {"skipped": "no usable sample"}
+
+
+def worst(outcomes: List[str]) -> str:
+    kinds = [o.split(":")[0] for o in outcomes]
+    for k in ("wrong", "error", "oracle_invalid", "pass"):
+        if k in kinds:
+            return k
+    return "none"
+
+
+def select(full: bool, names: Optional[Sequence[str]] = None):
+    ops = all_ops()
+    if names:
+        return [op for op in ops if op_id(op) in names or op.name in names]
+    return ops if full else [op for op in ops if op.name in FAST_OPS]
+
+
+def report(results: Dict[str, Dict[str, object]]) -> str:
+    lines = ["OpInfo autodiff checks: ops by worst outcome (functrans | torch.func)", ""]
+    header = f"{'check':<10}" + "".join(f"{k:>22}" for k in ("pass", "error", "wrong",
+                                                                "oracle_invalid"))
+    lines.append(header)
+    for check in CHECKS:
+        counts = {impl: collections.Counter() for impl in IMPLS}
+        for res in results.values():
+            if "skipped" in res:
+                continue
+            for impl in IMPLS:
+                if (impl, check) in res:
+                    counts[impl][worst(res[(impl, check)])] += 1
+        lines.append(f"{check:<10}" + "".join(
+            f"{counts['functrans'][k]:>12} | {counts['torch.func'][k]:<7}"
+            for k in ("pass", "error", "wrong", "oracle_invalid")))
+    skipped = collections.Counter(r["skipped"] for r in results.values() if "skipped" in r)
+    lines += ["", f"ops: {len(results)}; skipped: " + ", ".join(f"{v} {k}" for k, v in
+                                                              skipped.most_common())]
+    wrong = [f"  {name} {check}: {o}" for name, res in results.items() if "skipped" not in res
+             for (impl, check), outs in res.items() if impl == "functrans"
+             for o in outs if o.startswith("wrong")]
+    lines += ["", "functrans wrong values:"] + (wrong or ["  none"])
+    errs = collections.Counter(o.split(":", 2)[-1].strip()[:110] for res in results.values()
+                               if "skipped" not in res for (impl, _), outs in res.items()
+                               if impl == "functrans" for o in outs if o.startswith("error"))
+    lines += ["", "functrans errors (most common):"] + [f"  {n:>4}  {m}" for m, n in
+                                                        errs.most_common(15)]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--full", action="store_true")
+    p.add_argument("--ops", default="")
+    p.add_argument("--report", default="")
+    a = p.parse_args(argv)
+    start = time.time()
+    ops = select(a.full, [s for s in a.ops.split(",") if s])
+    results = {op_id(op): sweep_op(op, full=a.full) for op in ops}
+    text = report(results) + f"\n\n{len(ops)} ops in {time.time() - start:.0f} s"
+    print(text)
+    if a.report:
+        with open(a.report, "w") as fh:
+            fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
