@@ -156,3 +156,17 @@ def test_public_signature_matches_torch_func():
     import inspect
     assert list(inspect.signature(functrans.vmap).parameters) == \
         list(inspect.signature(torch.func.vmap).parameters)
+
+
+def test_on_every_device(device):
+    """The engine on each available device (CUDA skips cleanly without a GPU)."""
+    x = torch.randn(5, 3, 4, device=device)
+    w = torch.randn(4, 2, device=device)
+    f = lambda a: torch.softmax(a @ w, -1).sum(0) + a.mean()
+    with functrans.config.strict_fallback():
+        assert_same(vmap(f)(x), torch.vmap(f)(x))
+        assert_same(vmap(vmap(f), in_dims=1)(x.unsqueeze(0).expand(2, 5, 3, 4).transpose(0, 1)),
+                    torch.vmap(torch.vmap(f), in_dims=1)(
+                        x.unsqueeze(0).expand(2, 5, 3, 4).transpose(0, 1)))
+    out = vmap(lambda a: torch.rand_like(a), randomness="different")(x)
+    assert out.device == x.device
