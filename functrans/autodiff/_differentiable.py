@@ -5,13 +5,15 @@ Each transform differentiates only with respect to FRESH aliases of its own inpu
 transform never confuses its perturbation with an outer one's.  An alias of a tensor that already
 requires grad (an outer ``grad``, or ordinary autograd) is a view of it, so the result stays
 differentiable from outside; an alias of any other tensor is a new leaf.  Views also keep a
-forward-mode tangent, which is how ``jacfwd(jacrev(f))`` works.
+forward-mode tangent, which is how ``jacfwd(jacrev(f))`` works; otherwise the alias is a
+detached leaf.
 """
 from __future__ import annotations
 
 from typing import Any, List, Sequence, Tuple, Union
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from .. import _levels
 from .._pytree import leaf_paths, tree_flatten, tree_unflatten
@@ -55,10 +57,15 @@ def replace_argnums(args: Sequence[Any], argnums: Argnums, new) -> Tuple[Any, ..
 
 
 def differentiable_alias(x: torch.Tensor) -> torch.Tensor:
-    alias = x.view_as(x)
-    if not alias.requires_grad:
-        alias.requires_grad_()
-    return alias
+    """A fresh tensor to differentiate w.r.t.: a view when ``x`` is already part of a graph
+    (requires grad) or may carry a forward-mode tangent, else a detached leaf (a view would let
+    storage-addressing ops like as_strided see ``x``'s base)."""
+    if x.requires_grad or getattr(fwAD, "_current_level", -1) >= 0:
+        alias = x.view_as(x)
+        if not alias.requires_grad:
+            alias.requires_grad_()
+        return alias
+    return x.detach().requires_grad_()
 
 
 def make_differentiable(tree: Any, api: str, what: str) -> Tuple[Any, List[torch.Tensor]]:

@@ -180,10 +180,19 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
                         randomness, chunk_size, api)
 
 
+def _resolve_bits(x: torch.Tensor) -> torch.Tensor:
+    """See Note [conjugate and negative bits] in rules/autograd_ops.py."""
+    if x.is_conj():
+        x = x.resolve_conj()
+    if x.is_neg():
+        x = x.resolve_neg()
+    return x
+
+
 def _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size, randomness, api):
     level = _levels.VmapLevel(batch_size, randomness)
     with _levels.pushed(level), VmapRandomMode(level):
-        batched = [a if d is None else BatchedTensor(a, d, level)
+        batched = [a if d is None else BatchedTensor(_resolve_bits(a), d, level)
                    for a, d in zip(flat_args, flat_dims)]
         out = func(*tree_unflatten(batched, args_spec), **kwargs)
         return _unwrap_outputs(out, out_dims, level, api)

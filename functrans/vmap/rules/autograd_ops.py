@@ -1,7 +1,8 @@
 """Ops that autograd and forward-mode AD issue by themselves on batched values.
 
 ``detach``, ``alias``, ``_to_copy``, ``clone``, ``copy_``, ``fill_``, ``zero_``,
-``is_same_size``, ``_has_same_storage_numel``, ``_make_dual`` / ``_unpack_dual`` (forward AD).
+``is_same_size``, ``_has_same_storage_numel``, ``_make_dual`` / ``_unpack_dual`` (forward AD),
+``_conj`` / ``_neg_view`` (materialised: see Note [conjugate and negative bits]).
 Invariants: outputs keep the input's bdim (no movedim, no copy beyond what the op itself does);
 in-place ops write into the physical ``self``.
 """
@@ -23,10 +24,25 @@ def _same_bdim(op):
 
 
 for _op in (aten.detach.default, aten.alias.default, aten.zero_.default,
-            aten.fill_.Scalar, aten._conj.default, aten._neg_view.default,
-            aten.resolve_conj.default, aten.resolve_neg.default, aten.lift_fresh.default,
-            aten.conj_physical.default):
+            aten.fill_.Scalar, aten.resolve_conj.default, aten.resolve_neg.default,
+            aten.lift_fresh.default, aten.conj_physical.default):
     register_batch_rule(_op, _same_bdim(_op))
+
+
+# Note [conjugate and negative bits]
+# ``x.conj()`` is a lazy view: PyTorch marks the result's TensorImpl with a conj bit.  The bit of
+# a wrapper is set by the kernel we replace, so it would sit on the physical value while the
+# BatchedTensor that users and autograd inspect (``is_conj()``, ``resolve_conj()``,
+# ``view_as_real``) says "not conjugated".  So these rules materialise the result instead, and
+# vmap resolves the bits of its inputs when it wraps them: a physical value never carries one.
+@register_batch_rule(aten._conj.default)
+def conj_rule(info, in_dims, x):
+    return torch.conj_physical(x), in_dims[0]
+
+
+@register_batch_rule(aten._neg_view.default)
+def neg_view_rule(info, in_dims, x):
+    return torch.neg(x), in_dims[0]
 
 
 @register_batch_rule(aten._to_copy.default)

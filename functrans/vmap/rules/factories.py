@@ -1,31 +1,50 @@
-"""Ops that create a tensor from a batched one: zeros_like, ones_like, empty_like, full_like,
-new_zeros, new_ones, new_empty, new_full, new_empty_strided.
+"""Ops that create a tensor from a batched one: ``zeros_like``, ``ones_like``, ``empty_like``,
+``full_like``, ``new_zeros``, ``new_ones``, ``new_empty``, ``new_full``, ``new_empty_strided``,
+and the functional fills ``zero``, ``fill.Scalar``, ``fill.Tensor``.
 
-Invariant: the result is BATCHED, one fresh tensor per example (as PyTorch's own vmap does), so
-that an in-place write into it later (``z = torch.zeros_like(x); z.copy_(y)``) works.
-``*_like`` keep the input's bdim and physical layout; ``new_*`` put the batch first.  A
-``memory_format`` other than preserve applies to each example: the batch goes first and the
-logical dims get the format's order where the physical rank allows (channels_last on a logical
-4-D tensor cannot be a physical 5-D format, so those examples are contiguous; values are equal).
+Invariants:
+* the result is BATCHED, one fresh block of memory per example (as PyTorch's own vmap does), so
+  an in-place write into it later (``z = torch.zeros_like(x); z.copy_(y)``) works;
+* ``dtype``/``device``/``layout``/``pin_memory`` are passed through; defaults come from the
+  physical input, which has the logical input's dtype and device;
+* ``*_like`` (and the fills) keep the input's bdim and physical layout; ``new_*`` put the batch
+  first, with each example contiguous (``new_empty_strided``: with the strides asked for).
+
+Note [memory_format of *_like]
+A ``memory_format`` describes ONE example, and a physical tensor with a batch dim cannot carry
+it (channels_last is a 4-D format; the physical tensor of a logical 4-D one is 5-D).  So the
+batch goes first (outermost in memory) and the logical dims are laid out in the format's order
+inside each example: the logical result has exactly the strides, and the values, that eager
+gives one example (``z.is_contiguous(memory_format=torch.channels_last)`` holds inside the
+function).  The order is read off the strides eager gives an empty example of that shape, so a
+format that does not fit the rank raises eager's own error.
+
 Random ``*_like`` ops live in random.py.
 """
 from __future__ import annotations
 
 import torch
 
-from ..helpers import move_bdim_to_front
+from ..helpers import move_bdim_to_front, pad_to_rank
 from ..registry import register_batch_rule
 
 aten = torch.ops.aten
 
 
+def _dim_order(shape, memory_format):
+    """Logical dims from outermost to innermost in eager's layout for ``memory_format``."""
+    strides = torch.empty(shape, device="meta", memory_format=memory_format).stride()
+    return sorted(range(len(shape)), key=lambda d: -strides[d])
+
+
 def _like_rule_for(op):
-    def rule(info, in_dims, x, *args, **kwargs):
-        fmt = kwargs.get("memory_format")
-        if fmt is None or fmt == torch.preserve_format:
+    def rule(info, in_dims, x, *args, memory_format=None, **kwargs):
+        if memory_format in (None, torch.preserve_format):
             return op(x, *args, **kwargs), in_dims[0]
-        kwargs["memory_format"] = torch.contiguous_format
-        return op(move_bdim_to_front(x, in_dims[0]), *args, **kwargs), 0
+        x = move_bdim_to_front(x, in_dims[0])  # See Note [memory_format of *_like]
+        perm = [0] + [d + 1 for d in _dim_order(x.shape[1:], memory_format)]
+        out = op(x.permute(perm), *args, memory_format=torch.contiguous_format, **kwargs)
+        return out.permute(sorted(range(len(perm)), key=perm.__getitem__)), 0
     rule.__name__ = f"like_rule[{op}]"
     return rule
 
@@ -49,8 +68,30 @@ for _op in (aten.new_zeros.default, aten.new_ones.default, aten.new_empty.defaul
 
 @register_batch_rule(aten.new_empty_strided.default)
 def new_empty_strided_rule(info, in_dims, x, size, stride, **kwargs):
-    # Strides describe one example; each example gets its own contiguous block after them.
-    block = max([1] + [(s - 1) * st + 1 for s, st in zip(size, stride) if s > 0]) \
-        if all(s > 0 for s in size) else 0
-    return aten.new_empty_strided.default(x, (info.batch_size, *size), (block, *stride),
-                                          **kwargs), 0
+    """Each example gets its own block, as large as the strides of one example reach."""
+    extent = 0 if 0 in size else 1 + sum((s - 1) * st for s, st in zip(size, stride))
+    return aten.new_empty_strided.default(x, (info.batch_size, *size),
+                                          (max(extent, 1), *stride), **kwargs), 0
+
+
+def _same_bdim(op):
+    def rule(info, in_dims, x, *args):
+        return op(x, *args), in_dims[0]
+    rule.__name__ = f"same_bdim[{op}]"
+    return rule
+
+
+for _op in (aten.zero.default, aten.fill.Scalar):
+    register_batch_rule(_op, _same_bdim(_op))
+
+
+@register_batch_rule(aten.fill.Tensor)
+def fill_tensor_rule(info, in_dims, x, value):
+    """``value`` is logically 0-d; a batched one gives each example its own fill value."""
+    xd, vd = in_dims
+    if vd is None:
+        return aten.fill.Tensor(x, value), xd
+    shape = x.shape if xd is None else move_bdim_to_front(x, xd).shape[1:]
+    value = pad_to_rank(move_bdim_to_front(value, vd), len(shape))
+    value = value.to(device=x.device, dtype=x.dtype)
+    return value.expand(info.batch_size, *shape).clone(memory_format=torch.contiguous_format), 0
