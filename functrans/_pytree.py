@@ -4,7 +4,7 @@ Uses ``torch.utils._pytree``, so custom nodes registered there work everywhere.
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List
 
 import torch.utils._pytree as pytree
 

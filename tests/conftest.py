@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-import functrans
 from functrans import _levels
 
 

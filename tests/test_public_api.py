@@ -1,8 +1,6 @@
 """The package never uses the reference implementation as its engine."""
 import pathlib
 import re
-import subprocess
-import sys
 
 import functrans
 

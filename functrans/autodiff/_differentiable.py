@@ -114,3 +114,15 @@ def detach_tree(tree: Any) -> Any:
 
 def zeros_for_none(grads, inputs) -> List[torch.Tensor]:
     return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+
+
+def flatten_tensor_outputs(out: Any, api: str):
+    """``tree_flatten(out)``, requiring every leaf to be a tensor."""
+    flat_out, out_spec = tree_flatten(out)
+    for i, o in enumerate(flat_out):
+        if not isinstance(o, torch.Tensor):
+            raise TransformArgumentError(
+                f"{api}: the function must return tensors (or pytrees of tensors); "
+                f"{leaf_paths(out, 'output')[i]} is a {type(o).__name__}. Return it as aux with "
+                "has_aux=True instead.")
+    return flat_out, out_spec

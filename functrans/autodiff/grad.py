@@ -8,7 +8,7 @@ a ``torch.no_grad()`` inside the function is respected.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 

@@ -8,7 +8,7 @@ shape ``o.shape + x.shape``; the output's pytree is outside, the input's (and ar
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 

@@ -9,7 +9,7 @@ it evaluates ``func`` once and each ``jvp_fn(t)`` is a single backward pass.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List
+from typing import Any, Callable
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -18,8 +18,8 @@ from .. import _levels
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError
 from ..vmap.api import ForwardModeAroundVmap
-from ._differentiable import (detach_tree, make_differentiable, outer_needs_graph, split_aux,
-                              zeros_for_none)
+from ._differentiable import (detach_tree, flatten_tensor_outputs, make_differentiable,
+                              outer_needs_graph, split_aux)
 
 
 def _forward_ad_active() -> bool:
@@ -87,17 +87,6 @@ def jvp_impl(func, primals, tangents, has_aux, api):
         raise
 
 
-def _check_outputs(out, api):
-    flat_out, out_spec = tree_flatten(out)
-    for i, o in enumerate(flat_out):
-        if not isinstance(o, torch.Tensor):
-            raise TransformArgumentError(
-                f"{api}: the function must return tensors (or pytrees of tensors); "
-                f"{leaf_paths(out, 'output')[i]} is a {type(o).__name__}. Return it as aux with "
-                "has_aux=True instead.")
-    return flat_out, out_spec
-
-
 def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api):
     level = _levels.Level("jvp")
     with _levels.pushed(level), fwAD.dual_level():
@@ -106,7 +95,7 @@ def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api):
         aux = None
         if has_aux:
             out, aux = split_aux(out, api)
-        flat_out, out_spec = _check_outputs(out, api)
+        flat_out, out_spec = flatten_tensor_outputs(out, api)
         primals_out, tangents_out = [], []
         for o in flat_out:
             p, t = fwAD.unpack_dual(o)
@@ -127,7 +116,7 @@ def _double_vjp_setup(func, flat_p, spec, has_aux, api):
     aux = None
     if has_aux:
         out, aux = split_aux(out, api)
-    flat_out, out_spec = _check_outputs(out, api)
+    flat_out, out_spec = flatten_tensor_outputs(out, api)
     live = [o for o in flat_out if o.requires_grad]
     dummies = [torch.zeros_like(o).requires_grad_() for o in live]
     if live:

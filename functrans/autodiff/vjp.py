@@ -13,8 +13,8 @@ import torch
 from .. import _levels
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError
-from ._differentiable import (detach_tree, make_differentiable, outer_needs_graph, split_aux,
-                              zeros_for_none)
+from ._differentiable import (detach_tree, flatten_tensor_outputs, make_differentiable,
+                              outer_needs_graph, split_aux, zeros_for_none)
 
 
 def vjp(func: Callable, *primals: Any, has_aux: bool = False):
@@ -38,13 +38,7 @@ def vjp_impl(func: Callable, primals: tuple, has_aux: bool, api: str):
         aux = None
         if has_aux:
             out, aux = split_aux(out, api)
-        flat_out, out_spec = tree_flatten(out)
-        for i, o in enumerate(flat_out):
-            if not isinstance(o, torch.Tensor):
-                raise TransformArgumentError(
-                    f"{api}: the function must return tensors (or pytrees of tensors); "
-                    f"{leaf_paths(out, 'output')[i]} is a {type(o).__name__}. Return it as aux "
-                    "with has_aux=True instead.")
+        flat_out, out_spec = flatten_tensor_outputs(out, api)
     vjp_fn = _make_vjp_fn(flat_out, out_spec, flat_inputs, primals, api)
     result_out = out if keep_graph else detach_tree(out)
     if has_aux:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 

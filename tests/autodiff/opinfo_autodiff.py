@@ -17,7 +17,7 @@ import argparse
 import collections
 import time
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.autograd.forward_ad as fwAD

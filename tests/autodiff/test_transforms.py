@@ -9,13 +9,7 @@ from tests.oracles import assert_same
 
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    """Compare exactly in float64 (float32 is exercised by the OpInfo sweep)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def f_scalar(x):

@@ -1,7 +1,6 @@
 """BatchedTensor metadata, levels and the dispatcher's lookup order."""
 import torch
 
-import functrans
 from functrans import _levels, vmap
 from functrans.vmap import registry
 from functrans.vmap.batched_tensor import BatchedTensor

@@ -19,7 +19,7 @@ with the default in_dims=0.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Sequence
 
 import torch
 

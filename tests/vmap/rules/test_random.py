@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import functrans
 from functrans import _levels, vmap
 from functrans.errors import UnsupportedUnderVmap
 
