@@ -23,8 +23,6 @@ DENYLIST: Dict[str, str] = {
     "aten::slice.Tensor": "lowers to as_strided with an absolute storage offset; a rule slices",
 }
 
-_tls = threading.local()
-
 # Only decompositions written in ATen ops.  The ``torch._refs`` entries lower to ``prims.*`` ops,
 # which have neither batching rules nor autograd formulas (a backward through them fails).
 _ATEN_LEVEL_MODULES = {"torch._decomp.decompositions"}
@@ -54,17 +52,14 @@ def run_decomposition(op, args, kwargs) -> Tuple[bool, Any]:
     fn = _load().get(op)
     if fn is None:
         return False, None
-    from .. import config
-    from ..errors import UnsupportedUnderVmap
     try:
-        return True, fn(*args, **kwargs)
-    except UnsupportedUnderVmap:
-        if config.is_strict() and getattr(_tls, "record_only", False):
-            raise
-        _failed.add(op)
-        return False, None
+        result = fn(*args, **kwargs)
     except Exception:
-        # The fallback re-runs the op per example: a genuine user error re-raises there with
+        # Under vmap it raised (e.g. .item() inside, or a write into a fresh unbatched tensor):
+        # the fallback runs the op per example, and a genuine user error re-raises there with
         # the eager kernel's own message.
         _failed.add(op)
         return False, None
+    if result is NotImplemented:  # the decomposition declines these inputs (e.g. ceil_mode)
+        return False, None
+    return True, result
