@@ -281,11 +281,16 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
             return result
         rule = functools.partial(loop_fallback, op)
     try:
-        if track:
-            with autograd_on_physical_values():
+        try:
+            if track:
+                with autograd_on_physical_values():
+                    out, out_dims = rule(level, in_dims, *vals, **kwargs)
+            else:
                 out, out_dims = rule(level, in_dims, *vals, **kwargs)
-        else:
-            out, out_dims = rule(level, in_dims, *vals, **kwargs)
+        except registry.Decline:
+            from .fallback import loop_fallback
+            with autograd_on_physical_values() if track else contextlib.nullcontext():
+                out, out_dims = loop_fallback(op, level, in_dims, *vals, **kwargs)
     except Exception as e:
         if not isinstance(e, (UnsupportedUnderVmap, EscapedBatchedTensorError)):
             e.add_note(f"(functrans: while batching {op} with in_dims={tuple(in_dims)}, "

@@ -20,6 +20,11 @@ from typing import Callable, Dict, Iterable, Optional, Set, Tuple, Union
 import torch
 
 Rule = Callable[..., Tuple[object, object]]
+
+
+class Decline(Exception):
+    """Raised by a rule for argument combinations it does not batch (before it has written
+    anything): the dispatcher runs the loop fallback instead."""
 OpLike = Union[torch._ops.OpOverload, torch._ops.OpOverloadPacket]
 
 _overload_rules: Dict[torch._ops.OpOverload, Rule] = {}

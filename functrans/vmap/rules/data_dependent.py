@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import UnsupportedUnderVmap
-from ..registry import register_batch_rule, register_tag_rule
+from ..registry import Decline, register_batch_rule, register_tag_rule
 
 aten = torch.ops.aten
 
@@ -26,8 +26,26 @@ def local_scalar_dense_rule(info, in_dims, x):
         "torch.where(cond, a, b) (compute both sides), or move the control flow outside vmap.")
 
 
+# Ops tagged dynamic_output_shape only because of boolean masks: with integer indices their
+# output shape is static, so they are batched (by a rule, or the loop fallback).
+_BOOL_MASK_ONLY = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_"}
+
+
+def _has_bool_index(args) -> bool:
+    for a in args:
+        items = a if isinstance(a, (list, tuple)) else [a]
+        for t in items:
+            if isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8):
+                return True
+    return False
+
+
 def _dynamic_shape_rule_for(op):
+    bool_mask_only = op.overloadpacket.__name__ in _BOOL_MASK_ONLY
+
     def rule(info, in_dims, *args, **kwargs):
+        if bool_mask_only and not _has_bool_index(args[1:]):
+            raise Decline()
         raise UnsupportedUnderVmap(
             f"vmap: {op} returns a tensor whose shape depends on the values of its input, so "
             "the per-example results could have different shapes and cannot be stacked into one "

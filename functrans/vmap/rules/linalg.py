@@ -39,6 +39,9 @@ aten = torch.ops.aten
 # With only ``b`` batched the batch goes into ``b``'s columns: ``[k, B, m] -> [k, B*m]``.  The
 # batch may be placed right before or right after the free dim; either order is fine because
 # the result is split back in the same order, and the output's bdim records which one was used.
+# When neither placement is a view (e.g. ``bmm`` with the batch outside the op's own batch dim,
+# ``[B, b, n, k]``), the batched operand is copied: that costs no more than the product itself,
+# whereas broadcasting would materialise ``B`` copies of the unbatched operand.
 
 
 def _front(x: torch.Tensor, bdim: Optional[int]) -> torch.Tensor:
