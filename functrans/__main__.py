@@ -78,12 +78,11 @@ def demo_per_sample_gradients(batch: int = 128) -> None:
     torch.manual_seed(0)
     params = {"w1": torch.randn(128, 784) * 0.03, "b1": torch.zeros(128),
               "w2": torch.randn(10, 128) * 0.1, "b2": torch.zeros(10)}
-    xs = torch.randn(batch, 784)
-    ys = F.one_hot(torch.randint(0, 10, (batch,)), 10).float()
+    xs, ys = torch.randn(batch, 784), torch.randint(0, 10, (batch,))
 
-    def loss(p, x, y):  # cross-entropy against a one-hot target
+    def loss(p, x, y):
         h = F.relu(F.linear(x, p["w1"], p["b1"]))
-        return -(F.log_softmax(F.linear(h, p["w2"], p["b2"]), dim=-1) * y).sum()
+        return F.cross_entropy(F.linear(h, p["w2"], p["b2"]), y)
 
     def by_loop():
         out = {k: [] for k in params}
