@@ -65,7 +65,7 @@ def index_select_rule(info, in_dims, x, dim, index):
     X = ensure_bdim_front(x, in_dims[0], B)
     I = move_bdim_to_front(index, in_dims[2]).reshape(B, -1)
     if r == 0:
-        return X.unsqueeze(1).gather(1, I).reshape(B, *([] if index.dim() == 1 else [1])), 0
+        return X.unsqueeze(1).gather(1, I).reshape(B), 0  # a 0-d self stays 0-d, as in eager
     shape = list(X.shape)
     shape[d + 1] = I.shape[1]
     view = [B] + [1] * r

@@ -22,6 +22,7 @@ IDX = torch.tensor([[0, 2], [1, 1], [3, 0]])
     (lambda x, i: torch.index_select(x, 1, i), [X, torch.tensor([3, 0, 0])]),
     (lambda x, i: torch.index_select(x, 0, i), [X, torch.tensor([2])]),
     (lambda x, i: torch.index_select(x, 0, i), [torch.tensor(5.0), torch.tensor(0)]),
+    (lambda x, i: torch.index_select(x, 0, i), [torch.tensor(5.0), torch.tensor([0])]),
 ])
 def test_matches_loop(f, args):
     check_vmap_all_bdims(f, args)
