@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from typing import Iterator, List, Optional
+from typing import Iterator, List
 
 _ids = itertools.count(1)
 _tls = threading.local()
@@ -55,14 +55,6 @@ def stack() -> List[Level]:
     if s is None:
         s = _tls.stack = []
     return s
-
-
-def current(kind: Optional[str] = None) -> Optional[Level]:
-    """The innermost active level (of the given kind), or None."""
-    for level in reversed(stack()):
-        if kind is None or level.kind == kind:
-            return level
-    return None
 
 
 @contextlib.contextmanager

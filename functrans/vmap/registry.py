@@ -118,19 +118,6 @@ def registered_ops(family: Optional[str] = None) -> Set[OpLike]:
     return {op for op in ops if family is None or _families.get(op) == family}
 
 
-def tag_rule_ops(tag: torch.Tag) -> Set[torch._ops.OpOverload]:
-    """Every op that the rule factory for ``tag`` covers (and that has no explicit rule)."""
-    from .op_listing import all_overloads
-    out = set()
-    factory = _tag_rule_factories.get(tag)
-    if factory is None:
-        return out
-    for op in all_overloads():
-        if tag in op.tags and find_rule(op)[0] == "tag":
-            out.add(op)
-    return out
-
-
 def family_of(op: torch._ops.OpOverload) -> str:
     """The rules file an op's rule lives in, or should live in."""
     for key in (op, op.overloadpacket):
