@@ -9,6 +9,7 @@ it evaluates ``func`` once and each ``jvp_fn(t)`` is a single backward pass.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import torch
@@ -81,10 +82,18 @@ def jvp_impl(func, primals, tangents, has_aux, api):
         return _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api)
     except ForwardModeAroundVmap:
         return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api)
-    except RuntimeError as e:
-        if "forward AD" in str(e) and "not" in str(e) and "support" in str(e):
+    except (RuntimeError, NotImplementedError) as e:
+        if _no_forward_formula(e):
             return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api)
         raise
+
+
+def _no_forward_formula(e: BaseException) -> bool:
+    """An op (ATen: "Trying to use forward AD with X that does not support it") or a custom
+    autograd.Function ("You must implement the jvp function ...") has no forward formula."""
+    msg = str(e)
+    return bool(re.search(r"forward[ -]?(AD|mode)", msg)) and (
+        "not support" in msg or "not been implemented" in msg or "must implement" in msg)
 
 
 def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api):
