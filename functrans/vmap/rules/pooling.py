@@ -1,11 +1,14 @@
 """Pooling (issue 4, first part): max_pool{2,3}d_with_indices, avg_pool{2,3}d,
-_adaptive_avg_pool{2,3}d, adaptive_max_pool{2,3}d and their backward ops.
+_adaptive_avg_pool{2,3}d, adaptive_max_pool2d and their backward ops.
 
 Invariant: the pools accept an input with or without their own batch dim (``[N, C, *spatial]`` or
 ``[C, *spatial]``).  The vmap batch is folded into that dim — ``[B, N, C, ...] -> [B*N, C, ...]``,
 or ``[B, C, ...]`` used as ``[N, C, ...]`` — so ONE pooling kernel runs; every tensor argument
 (input, grad_output, indices) is folded the same way, unbatched ones expanded first.  Indices
 stay per plane, so they need no adjustment.
+
+adaptive_max_pool3d and its backward are left to the loop fallback: PyTorch's CPU
+adaptive_max_pool3d_backward kernel crashed (segfault) on the folded inputs.
 """
 from __future__ import annotations
 
@@ -54,7 +57,6 @@ for _name, _spatial in (
         ("avg_pool3d_backward", 3), ("_adaptive_avg_pool2d", 2),
         ("_adaptive_avg_pool2d_backward", 2), ("_adaptive_avg_pool3d", 3),
         ("_adaptive_avg_pool3d_backward", 3), ("adaptive_max_pool2d", 2),
-        ("adaptive_max_pool2d_backward", 2), ("adaptive_max_pool3d", 3),
-        ("adaptive_max_pool3d_backward", 3)):
+        ("adaptive_max_pool2d_backward", 2)):
     _op = getattr(aten, _name).default
     register_batch_rule(_op, _fold_rule_for(_op, _spatial))

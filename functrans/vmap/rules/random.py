@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import UnsupportedUnderVmap
-from ..helpers import move_bdim_to_front, pad_to_rank
+from ..helpers import ensure_bdim_front, move_bdim_to_front, pad_to_rank
 from ..registry import register_batch_rule
 
 aten = torch.ops.aten
@@ -95,29 +95,39 @@ def _value_dependent_rule_for(op, same=None):
     return rule
 
 
+def _uniform(template, generator=None):
+    """U[0, 1) numbers of ``template``'s shape, floating even for an integer template.  Drawn
+    with ``empty_like(template)`` so an outer vmap level batches them by its own randomness."""
+    dtype = template.dtype if template.is_floating_point() else torch.get_default_dtype()
+    return torch.empty_like(template, dtype=dtype).uniform_(generator=generator)
+
+
 def _bernoulli_same(info, in_dims, p, *, generator=None):
-    u = torch.rand_like(_example(p, in_dims[0]), dtype=p.dtype if p.is_floating_point()
-                        else torch.float32)
-    return (u < move_bdim_to_front(p, in_dims[0])).to(p.dtype), 0
+    p = move_bdim_to_front(p, in_dims[0])
+    return (_uniform(p[0], generator) < p).to(p.dtype), 0
+
+
+def _bernoulli_tensor_draw(in_dims, x, p, generator):
+    """bernoulli(x, p) for 'same': one U[0, 1) draw of self's logical shape, compared with
+    every example's p; unbatched (bdim None) when p is unbatched."""
+    u = _uniform(x if in_dims[0] is None else _example(x, in_dims[0]), generator)
+    if in_dims[1] is None:
+        return (u < p).to(x.dtype), None
+    return (u < pad_to_rank(move_bdim_to_front(p, in_dims[1]), u.dim())).to(x.dtype), 0
 
 
 def _bernoulli_tensor_same(info, in_dims, x, p, *, generator=None):
-    template = x if in_dims[0] is None else _example(x, in_dims[0])
-    u = torch.rand_like(template, dtype=torch.float32 if not template.is_floating_point()
-                        else template.dtype)
-    shape_x, shape_p = _aligned([x, p], in_dims)
-    return (u < shape_p).to(x.dtype).expand_as(shape_x if in_dims[0] is not None else
-                                               torch.broadcast_tensors(shape_p, u)[0]), 0
+    return _bernoulli_tensor_draw(in_dims, x, p, generator)
 
 
-def _normal_same(info, in_dims, mean, std, *, generator=None):
-    m, s = _aligned([mean, std], in_dims)
-    logical = torch.broadcast_shapes(*[t.shape[1:] if d is not None else t.shape
-                                       for t, d in ((m, in_dims[0]), (s, in_dims[1]))
-                                       if isinstance(t, torch.Tensor)])
-    ref = m if isinstance(m, torch.Tensor) else s
-    z = torch.randn(logical, dtype=ref.dtype, device=ref.device)
-    return m + s * z, 0
+def _normal_same(info, in_dims, mean, std=1.0, *, generator=None):
+    """One standard-normal draw of the logical shape: ``mean + std * z`` for every example."""
+    mean, std = _aligned([mean, std], in_dims)
+    examples = [t if d is None else t[0] for t, d in zip((mean, std), in_dims)
+                if isinstance(t, torch.Tensor)]
+    template = examples[0].expand(torch.broadcast_shapes(*[t.shape for t in examples]))
+    z = torch.empty_like(template).normal_(generator=generator)
+    return mean + std * z, 0
 
 
 def _dropout_same(info, in_dims, x, p, train):
@@ -136,7 +146,8 @@ for _op in (aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.flo
     register_batch_rule(_op, _value_dependent_rule_for(_op, _normal_same))
 register_batch_rule(aten.native_dropout.default,
                     _value_dependent_rule_for(aten.native_dropout.default, _dropout_same))
-for _op in (aten.poisson.default, aten._standard_gamma.default):
+for _op in (aten.poisson.default, aten._standard_gamma.default, aten.binomial.default,
+            aten._sample_dirichlet.default):
     register_batch_rule(_op, _value_dependent_rule_for(_op))
 
 
@@ -144,19 +155,64 @@ for _op in (aten.poisson.default, aten._standard_gamma.default):
 def bernoulli__tensor_rule(info, in_dims, x, p, *, generator=None):
     b = in_dims[0]
     if info.randomness == "same":
-        draw, _ = _bernoulli_tensor_same(info, in_dims, x, p)
+        draw, _ = _bernoulli_tensor_draw(in_dims, x, p, generator)
         move_bdim_to_front(x, b).copy_(draw)
     else:
         target, prob = _aligned([x, p], in_dims)
-        target.bernoulli_(prob)
+        target.bernoulli_(prob, generator=generator)
     return x, b
 
 
 @register_batch_rule(aten.multinomial.default)
 def multinomial_rule(info, in_dims, probs, num_samples, replacement=False, *, generator=None):
-    if info.randomness == "same":
-        raise _same_not_supported(aten.multinomial.default)
     p = move_bdim_to_front(probs, in_dims[0])
-    rows = p.reshape(-1, p.shape[-1])
-    out = torch.multinomial(rows, num_samples, replacement)
-    return out.view(*p.shape[:-1], num_samples), 0
+    if info.randomness == "different":
+        rows = p.reshape(-1, p.shape[-1])
+        out = torch.multinomial(rows, num_samples, replacement, generator=generator)
+        return out.view(*p.shape[:-1], num_samples), 0
+    # 'same': shared Exp(1) noise E; the largest p / E is a sample from p (the Gumbel-max
+    # trick, as log p - log E), and the k largest are k samples without replacement in order.
+    example = p[0]
+    if replacement:
+        example = example.unsqueeze(-2).expand(*example.shape[:-1], num_samples,
+                                               example.shape[-1])
+        p = p.unsqueeze(-2)
+    noise = torch.empty_like(example).exponential_(generator=generator)
+    if replacement:
+        return (p / noise).argmax(-1), 0
+    _check_enough_categories(probs if in_dims[0] is None else _example(probs, in_dims[0]),
+                             num_samples)
+    return (p / noise).topk(num_samples, -1).indices, 0
+
+
+def _check_enough_categories(example, num_samples):
+    if num_samples > example.shape[-1]:
+        raise RuntimeError(f"multinomial: cannot sample n_sample ({num_samples}) > "
+                           f"prob_dist.size(-1) ({example.shape[-1]}) samples without "
+                           "replacement")
+
+
+def _rrelu_rule_for(op):
+    """rrelu_with_noise(self, noise!, lower, upper, training): for self <= 0 draws r from
+    U(lower, upper), writes r into ``noise`` and returns self * r; elsewhere noise is 1."""
+    inplace = op._schema.arguments[0].alias_info is not None
+
+    def rule(info, in_dims, x, noise, lower=0.125, upper=1 / 3, training=False,
+             generator=None):
+        xf, nf = (ensure_bdim_front(t, d, info.batch_size) for t, d in zip((x, noise), in_dims))
+        if info.randomness == "different" or not training:
+            out = op(xf, nf, lower, upper, training, generator)
+        else:
+            r = torch.empty_like(xf[0]).uniform_(lower, upper, generator=generator)
+            positive = xf > 0
+            nf.copy_(torch.where(positive, torch.ones_like(r), r))
+            out = torch.where(positive, xf, xf * r)
+            if inplace:
+                xf.copy_(out)
+        return (x, in_dims[0]) if inplace else (out, 0)
+    rule.__name__ = f"rrelu_rule[{op}]"
+    return rule
+
+
+for _op in (aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default):
+    register_batch_rule(_op, _rrelu_rule_for(_op))
