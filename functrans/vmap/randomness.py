@@ -10,7 +10,9 @@ nothing batched at its level, and applies the level's randomness:
 * ``'different'``: give each example its own draw: factories with a ``size`` get the batch
   size prepended; ops with tensor inputs run on inputs expanded along a new batch dim; anything
   else is drawn once per example and stacked.  In-place random fills of an unbatched tensor
-  raise, since each example would need its own copy.
+  raise, since each example would need its own copy; so that dropout of an unbatched input
+  (``empty_like(x).bernoulli_(1 - p)`` in ATen) works, ``empty_like``/``new_empty`` of an
+  unbatched tensor give a batched one under 'different' (uninitialised values either way).
 
 Random ops on batched tensors are handled by the rules in ``rules/random.py``.
 """
@@ -104,12 +106,27 @@ class VmapRandomMode(TorchDispatchMode):
                 and not any(_batched_at(a, self.level) for a in args) \
                 and not any(_batched_at(a, self.level) for a in kwargs.values()):
             return unbatched_random(func, args, kwargs, self.level)
+        if func in _UNINITIALIZED and self.level.randomness == "different" \
+                and not _batched_at(args[0], self.level):
+            return batched_empty(func, args, kwargs, self.level)
         if types == _ONLY_BATCHED:
             return dispatch(func, args, kwargs)
         return func(*args, **kwargs)
 
 
 _ONLY_BATCHED = (BatchedTensor,)
+
+
+def batched_empty(op, args, kwargs, level):
+    """``empty_like(x)`` / ``x.new_empty(size)`` of an unbatched ``x`` under 'different': a
+    batched tensor (its values are arbitrary either way), so that a random fill that follows,
+    as in dropout's ``empty_like(x).bernoulli_(1 - p)``, can draw per example."""
+    size = level.batch_size
+    if op is _aten.empty_like.default:
+        value = op(args[0].expand(size, *args[0].shape), *args[1:], **kwargs)
+    else:
+        value = op(args[0], [size, *args[1]], *args[2:], **kwargs)
+    return BatchedTensor(value, 0, level)
 
 
 def unbatched_random(op, args, kwargs, level):
@@ -153,3 +170,4 @@ def unbatched_random(op, args, kwargs, level):
 _aten = torch.ops.aten
 # Random ops that are not elementwise in their tensor inputs: draw per example instead.
 _LOOP_ONLY = {_aten.multinomial, _aten.randperm, _aten.rrelu_with_noise}
+_UNINITIALIZED = {_aten.empty_like.default, _aten.new_empty.default}

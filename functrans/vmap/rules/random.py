@@ -1,19 +1,22 @@
 """Random ops on batched tensors, for randomness='different' and 'same' ('error' is refused by
-the dispatcher before any rule runs; tensor-less random ops are handled in ../randomness.py).
+the dispatcher before any rule runs; random ops with nothing batched, and empty_like/new_empty of
+unbatched tensors under 'different', are handled by the mode in ../randomness.py).
 
 * Shape-only draws (values depend on the input's shape, not its values): rand_like,
   randn_like, randint_like, bernoulli.p, uniform, normal_, exponential, geometric, cauchy,
   log_normal, random_ and their in-place forms.  'different': one physical draw, every element
   independent, bdim kept.  'same': one draw of the per-example shape, shared by the batch
   (in-place forms copy it into every example).
-* Value-dependent draws: bernoulli (probabilities), normal with tensor mean/std, poisson,
-  _standard_gamma, native_dropout, multinomial.  'different': the inputs are aligned with the
-  batch first and drawn in one physical call.  'same': the random numbers are shared while the
-  per-example inputs differ — bernoulli and dropout share one uniform draw / one mask, normal
-  shares one standard-normal draw; ops whose samples cannot be split that way (poisson, gamma,
-  multinomial) raise.
-Random numbers are drawn with ops that take the physical value (``rand_like(value)``) so that an
-outer vmap level applies its own randomness to them.
+* Value-dependent draws: bernoulli (probabilities, also bernoulli_.Tensor), normal with tensor
+  mean/std, native_dropout, rrelu_with_noise(_), multinomial, poisson, _standard_gamma,
+  binomial, _sample_dirichlet.  'different': the inputs are aligned with the batch first and
+  drawn in one physical call.  'same': the random numbers are shared while the per-example
+  inputs differ: bernoulli compares one uniform draw with every example's p, dropout and rrelu
+  share one mask / one slope draw, normal shares one standard-normal z, multinomial shares
+  Exp(1) noise (Gumbel-max / Gumbel-top-k); poisson, gamma, binomial and dirichlet, whose
+  samplers cannot be split that way, raise.  bernoulli and normal keep their zero derivatives.
+Random numbers are drawn with ops that take the physical value (``empty_like(value).uniform_()``)
+so that an outer vmap level applies its own randomness to them.
 """
 from __future__ import annotations
 
@@ -102,9 +105,23 @@ def _uniform(template, generator=None):
     return torch.empty_like(template, dtype=dtype).uniform_(generator=generator)
 
 
+def _zero_grad_link(out, *inputs):
+    """``out``, made to depend on ``inputs`` with zero derivatives when autograd records (the
+    dispatcher's physical autograd): torch.bernoulli and torch.normal are not reparameterised,
+    their derivatives are zero, and a draw built from comparisons or a shared ``z`` must not
+    differ from them."""
+    if not torch.is_grad_enabled():
+        return out
+    keep = torch.ones((), dtype=torch.bool, device=out.device)
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            out = torch.where(keep, out, t.to(out.dtype))
+    return out
+
+
 def _bernoulli_same(info, in_dims, p, *, generator=None):
     p = move_bdim_to_front(p, in_dims[0])
-    return (_uniform(p[0], generator) < p).to(p.dtype), 0
+    return _zero_grad_link((_uniform(p[0], generator) < p).to(p.dtype), p), 0
 
 
 def _bernoulli_tensor_draw(in_dims, x, p, generator):
@@ -112,22 +129,33 @@ def _bernoulli_tensor_draw(in_dims, x, p, generator):
     every example's p; unbatched (bdim None) when p is unbatched."""
     u = _uniform(x if in_dims[0] is None else _example(x, in_dims[0]), generator)
     if in_dims[1] is None:
-        return (u < p).to(x.dtype), None
-    return (u < pad_to_rank(move_bdim_to_front(p, in_dims[1]), u.dim())).to(x.dtype), 0
+        return _zero_grad_link((u < p).to(x.dtype), p), None
+    p = pad_to_rank(move_bdim_to_front(p, in_dims[1]), u.dim())
+    return _zero_grad_link((u < p).to(x.dtype), p), 0
 
 
-def _bernoulli_tensor_same(info, in_dims, x, p, *, generator=None):
-    return _bernoulli_tensor_draw(in_dims, x, p, generator)
+@register_batch_rule(aten.bernoulli.Tensor)
+def bernoulli_tensor_rule(info, in_dims, x, p, *, generator=None):
+    """bernoulli(self, p): self's shape, p broadcast to it; either may be the batched one."""
+    if info.randomness == "same":
+        return _bernoulli_tensor_draw(in_dims, x, p, generator)
+    x = ensure_bdim_front(x, in_dims[0], info.batch_size)
+    if in_dims[1] is not None:
+        p = pad_to_rank(move_bdim_to_front(p, in_dims[1]), x.dim() - 1)
+    return aten.bernoulli.Tensor(x, p, generator=generator), 0
 
 
 def _normal_same(info, in_dims, mean, std=1.0, *, generator=None):
     """One standard-normal draw of the logical shape: ``mean + std * z`` for every example."""
+    in_dims = (*in_dims, None)[:2]  # normal.Tensor_float may come without its std
     mean, std = _aligned([mean, std], in_dims)
     examples = [t if d is None else t[0] for t, d in zip((mean, std), in_dims)
                 if isinstance(t, torch.Tensor)]
     template = examples[0].expand(torch.broadcast_shapes(*[t.shape for t in examples]))
     z = torch.empty_like(template).normal_(generator=generator)
-    return mean + std * z, 0
+    with torch.no_grad():
+        out = mean + std * z
+    return _zero_grad_link(out, mean, std), 0
 
 
 def _dropout_same(info, in_dims, x, p, train):
@@ -140,8 +168,6 @@ def _dropout_same(info, in_dims, x, p, train):
 
 register_batch_rule(aten.bernoulli.default,
                     _value_dependent_rule_for(aten.bernoulli.default, _bernoulli_same))
-register_batch_rule(aten.bernoulli.Tensor,
-                    _value_dependent_rule_for(aten.bernoulli.Tensor, _bernoulli_tensor_same))
 for _op in (aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor):
     register_batch_rule(_op, _value_dependent_rule_for(_op, _normal_same))
 register_batch_rule(aten.native_dropout.default,
