@@ -1,31 +1,44 @@
-"""Views and shape ops: view, _unsafe_view, permute, transpose, t, expand, unsqueeze, squeeze
-(every overload), select, slice, unbind, split, split_with_sizes, unsafe_split*, diagonal,
-unfold, view_as_real/complex, flip, roll, tril/triu (and in-place), repeat, cat, stack, and the
-view backward ops autograd issues (select_backward, slice_backward, diagonal_backward).
+"""Views and shape ops: view (and view.dtype), _unsafe_view, _reshape_alias, permute, transpose,
+t, expand, unsqueeze, squeeze (every overload), select, slice, unbind, split, split_with_sizes,
+unsafe_split*, diagonal, unfold, view_as_real/complex, flip, roll, tril/triu (and in-place),
+repeat, cat, stack, and the view backward ops autograd issues (select_backward, slice_backward,
+diagonal_backward, unfold_backward).
 
 Invariants:
 * view ops return views of the physical input (an in-place op on the result writes through);
-  ops that copy in eager (repeat, flip, roll, cat, stack) copy here too;
+  ops that copy in eager (repeat, flip, roll, cat, stack, the backward ops) copy here too;
 * the bdim stays where it is whenever the op can address the logical dims around it
   (transpose, permute, select, slice, unbind, split, diagonal, unfold, flip, squeeze,
-  unsqueeze); ops that need it first (view, expand, repeat, cat, stack) move it to the front.
+  unsqueeze, view_as_real); ops that need it first (view, expand, repeat, cat, stack and the
+  backward ops) move it to the front;
+* an op that addresses a dim of a logically 0-d tensor must not reach the batch dim: such calls
+  are checked on a meta tensor of the logical shape first, which raises eager PyTorch's own error
+  (see ``_check_logical``).
+
+``as_strided`` is left to the loop fallback: its storage offset is absolute, so what it means
+for one example of a batch depends on where that example lives in the physical storage.
 
 Note [view after moving the bdim]
 ``view`` needs the batch dim at the front.  A logical view that is legal may become physically
 impossible once a non-leading bdim is moved to the front (the strides no longer compose); then
 the rule reshapes, which copies.  The values are right, but an in-place write through that
-result no longer reaches the input.  The dispatcher never hits this for tensors vmap created
-with the default in_dims=0.
+result no longer reaches the input (nor a write into the input the result).  It happens only
+when the physical layout interleaves the batch with the example's dims (``in_dims`` other than
+0, and outputs of rules that keep such a bdim, ``clone`` included).  Eager's stride errors are
+not raised either: a logical tensor's strides follow the physical layout, so they can differ
+from the strides the same tensor has in eager (``t.clone()`` of a non-leading bdim is not
+contiguous per example); a wrong number of elements raises eager's error.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 
 from ..helpers import (ensure_bdim_front, logical_rank, move_bdim_to_front, normalize_dim,
                        pad_to_rank, physical_dim)
-from ..registry import register_batch_rule
+from ..registry import Decline, register_batch_rule
 
 aten = torch.ops.aten
 
@@ -35,6 +48,26 @@ def _after_removing(bdim: int, removed: Sequence[int]) -> int:
     return bdim - sum(1 for d in removed if d < bdim)
 
 
+def _check_logical(op, x, bdim, *args):
+    """Run ``op`` on a meta tensor shaped like one example of ``x``: raises eager's error for
+    a call that is illegal per example, else returns the (meta) per-example result."""
+    shape, stride = list(x.shape), list(x.stride())
+    del shape[bdim], stride[bdim]
+    example = torch.empty_strided(shape, stride, dtype=x.dtype, device="meta")
+    return op(example, *args)
+
+
+def _check_numel(x, bdim, shape):
+    """Raise eager's error when ``shape`` does not fit one example's number of elements."""
+    example = list(x.shape)
+    del example[bdim]
+    torch.empty(example, device="meta").view(shape)
+
+
+def _alias(x, bdim):
+    return aten.alias.default(x), bdim
+
+
 @register_batch_rule([aten.view.default, aten._unsafe_view.default])
 def view_rule(info, in_dims, x, shape):
     y = move_bdim_to_front(x, in_dims[0])
@@ -42,12 +75,40 @@ def view_rule(info, in_dims, x, shape):
     try:
         return y.view(new_shape), 0
     except RuntimeError:
+        _check_numel(x, in_dims[0], shape)
         return y.reshape(new_shape), 0  # See Note [view after moving the bdim]
+
+
+@register_batch_rule(aten._reshape_alias.default)
+def reshape_alias_rule(info, in_dims, x, size, stride):
+    # A view of ``size`` with exactly the strides asked for; anything else is an as_strided
+    # (see the module docstring), which the fallback refuses with an explanation.
+    y = move_bdim_to_front(x, in_dims[0])
+    try:
+        out = y.view(y.shape[0], *size)
+    except RuntimeError:
+        raise Decline from None
+    if any(n > 1 and s != t for n, s, t in zip(size, out.stride()[1:], stride)):
+        raise Decline
+    return out, 0
+
+
+@register_batch_rule(aten.view.dtype)
+def view_dtype_rule(info, in_dims, x, dtype):
+    b = in_dims[0]
+    if b == x.dim() - 1 and logical_rank(x, b) > 0:
+        x, b = move_bdim_to_front(x, b), 0  # the logical last dim must be the physical last
+    elif logical_rank(x, b) == 0:
+        _check_logical(aten.view.dtype, x, b, dtype)
+    return x.view(dtype), b
 
 
 @register_batch_rule(aten.permute.default)
 def permute_rule(info, in_dims, x, dims):
     b, r = in_dims[0], logical_rank(x, in_dims[0])
+    if r == 0:
+        _check_logical(aten.permute.default, x, b, dims)
+        return _alias(x, b)
     perm = [physical_dim(d, b, r) for d in dims]
     perm.insert(b, b)
     return x.permute(perm), b
@@ -58,7 +119,7 @@ def transpose_rule(info, in_dims, x, dim0, dim1):
     b, r = in_dims[0], logical_rank(x, in_dims[0])
     if r == 0:
         normalize_dim(dim0, r), normalize_dim(dim1, r)
-        return x, b
+        return _alias(x, b)
     return x.transpose(physical_dim(dim0, b, r), physical_dim(dim1, b, r)), b
 
 
@@ -67,11 +128,16 @@ def t_rule(info, in_dims, x):
     b, r = in_dims[0], logical_rank(x, in_dims[0])
     if r > 2:
         raise RuntimeError(f"t() expects a tensor with <= 2 dimensions, but self is {r}D")
-    return (transpose_rule(info, in_dims, x, 0, 1) if r == 2 else (x.view_as(x), b))
+    return transpose_rule(info, in_dims, x, 0, 1) if r == 2 else _alias(x, b)
 
 
 @register_batch_rule(aten.expand.default)
 def expand_rule(info, in_dims, x, size, implicit=False):
+    new = len(size) - logical_rank(x, in_dims[0])
+    for i in range(new):
+        if size[i] == -1:
+            raise RuntimeError(f"The expanded size of the tensor (-1) isn't allowed in a "
+                               f"leading, non-existing dimension {i}")
     y = pad_to_rank(move_bdim_to_front(x, in_dims[0]), len(size))
     return y.expand(y.shape[0], *size), 0
 
@@ -85,10 +151,12 @@ def unsqueeze_rule(info, in_dims, x, dim):
 
 def _squeeze(x, b, logical_dims):
     r = logical_rank(x, b)
-    pdims = [physical_dim(d, b, r) for d in logical_dims] if r else []
-    removed = sorted({d for d in pdims if x.shape[d] == 1})
+    logical = [normalize_dim(d, r) for d in logical_dims]
+    if r == 0:
+        return _alias(x, b)
+    removed = sorted({d + (d >= b) for d in logical if x.shape[d + (d >= b)] == 1})
     if not removed:
-        return x.view_as(x) if x.dim() else x, b
+        return _alias(x, b)
     return x.squeeze(removed), _after_removing(b, removed)
 
 
@@ -105,58 +173,73 @@ def squeeze_dim_rule(info, in_dims, x, dim):
 
 @register_batch_rule(aten.squeeze.dims)
 def squeeze_dims_rule(info, in_dims, x, dims):
+    if logical_rank(x, in_dims[0]) == 0:
+        _check_logical(aten.squeeze.dims, x, in_dims[0], dims)
     return _squeeze(x, in_dims[0], list(dims))
 
 
-@register_batch_rule(aten.select.int)
-def select_rule(info, in_dims, x, dim, index):
-    b, r = in_dims[0], logical_rank(x, in_dims[0])
-    d = physical_dim(dim, b, r)
-    return x.select(d, index), _after_removing(b, [d])
+def _dim_op_rule(op, *, out_bdim, dim_pos=0, rank0=None):
+    """Rule for an op whose argument number ``dim_pos`` (after self) is one logical dim:
+    it runs on the physical dim; ``out_bdim(b, d)`` is the output's bdim (b: the input's,
+    d: the physical dim).  On a 0-d example the call is checked by ``_check_logical``, then
+    ``rank0(x, b, *args)`` computes it (None: the check always raises)."""
 
-
-@register_batch_rule(aten.slice.Tensor)
-def slice_rule(info, in_dims, x, dim=0, start=None, end=None, step=1):
-    b, r = in_dims[0], logical_rank(x, in_dims[0])
-    return aten.slice.Tensor(x, physical_dim(dim, b, r), start, end, step), b
-
-
-@register_batch_rule(aten.unbind.int)
-def unbind_rule(info, in_dims, x, dim=0):
-    b, r = in_dims[0], logical_rank(x, in_dims[0])
-    d = physical_dim(dim, b, r)
-    outs = x.unbind(d)
-    return outs, [_after_removing(b, [d])] * len(outs)
-
-
-def _split_rule_for(op):
-    def rule(info, in_dims, x, split, dim=0):
+    def rule(info, in_dims, x, *args):
         b, r = in_dims[0], logical_rank(x, in_dims[0])
-        outs = op(x, split, physical_dim(dim, b, r))
-        return outs, [b] * len(outs)
-    rule.__name__ = f"split_rule[{op}]"
+        if r == 0:
+            _check_logical(op, x, b, *args)
+            return rank0(x, b, *args)
+        args = list(args)
+        d = args[dim_pos] = physical_dim(args[dim_pos], b, r)
+        out = op(x, *args)
+        ob = out_bdim(b, d)
+        return out, ([ob] * len(out) if isinstance(out, (list, tuple)) else ob)
+    rule.__name__ = f"dim_op_rule[{op}]"
     return rule
 
 
+def _defaults(op):
+    """``op``'s positional defaults after self, so rules can receive every argument."""
+    return [a.default_value for a in op._schema.arguments[1:]]
+
+
+def _with_defaults(rule, op):
+    defaults = _defaults(op)
+
+    @functools.wraps(rule)
+    def wrapped(info, in_dims, x, *args):
+        return rule(info, in_dims, x, *args, *defaults[len(args):])
+    return wrapped
+
+
+def _keep(b, d):
+    return b
+
+
+def _removed(b, d):
+    return _after_removing(b, [d])
+
+
+register_batch_rule(aten.select.int, _dim_op_rule(aten.select.int, out_bdim=_removed))
+register_batch_rule(aten.unbind.int, _with_defaults(
+    _dim_op_rule(aten.unbind.int, out_bdim=_removed), aten.unbind.int))
+register_batch_rule(aten.slice.Tensor, _with_defaults(
+    _dim_op_rule(aten.slice.Tensor, out_bdim=_keep), aten.slice.Tensor))
 for _op in (aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor,
             aten.unsafe_split_with_sizes.default):
-    register_batch_rule(_op, _split_rule_for(_op))
+    register_batch_rule(_op, _with_defaults(_dim_op_rule(_op, out_bdim=_keep, dim_pos=1), _op))
+register_batch_rule(aten.unfold.default, _dim_op_rule(
+    aten.unfold.default, out_bdim=_keep,
+    rank0=lambda x, b, dim, size, step: (x.unsqueeze(-1).narrow(-1, 0, size), b)))
 
 
 @register_batch_rule(aten.diagonal.default)
 def diagonal_rule(info, in_dims, x, offset=0, dim1=0, dim2=1):
     b, r = in_dims[0], logical_rank(x, in_dims[0])
+    if r < 2:
+        _check_logical(aten.diagonal.default, x, b, offset, dim1, dim2)
     d1, d2 = physical_dim(dim1, b, r), physical_dim(dim2, b, r)
     return x.diagonal(offset, d1, d2), _after_removing(b, [d1, d2])
-
-
-@register_batch_rule(aten.unfold.default)
-def unfold_rule(info, in_dims, x, dimension, size, step):
-    b, r = in_dims[0], logical_rank(x, in_dims[0])
-    if r == 0:
-        normalize_dim(dimension, r)
-        return x.unsqueeze(-1).expand(*x.shape, size) if size == 1 else x.unfold(b, size, step), b
-    return x.unfold(physical_dim(dimension, b, r), size, step), b
 
 
 @register_batch_rule(aten.view_as_real.default)
@@ -167,6 +250,8 @@ def view_as_real_rule(info, in_dims, x):
 @register_batch_rule(aten.view_as_complex.default)
 def view_as_complex_rule(info, in_dims, x):
     b = in_dims[0]
+    if logical_rank(x, b) == 0:
+        _check_logical(aten.view_as_complex.default, x, b)
     if b == x.dim() - 1:
         x, b = move_bdim_to_front(x, b), 0
     return torch.view_as_complex(x), b
@@ -175,6 +260,9 @@ def view_as_complex_rule(info, in_dims, x):
 @register_batch_rule(aten.flip.default)
 def flip_rule(info, in_dims, x, dims):
     b, r = in_dims[0], logical_rank(x, in_dims[0])
+    if r == 0:
+        _check_logical(aten.flip.default, x, b, dims)
+        return x.clone(), b
     return x.flip([physical_dim(d, b, r) for d in dims]), b
 
 
@@ -184,6 +272,8 @@ def roll_rule(info, in_dims, x, shifts, dims=()):
     if len(dims) == 0:  # roll the flattened example
         y = move_bdim_to_front(x, b)
         return y.reshape(y.shape[0], -1).roll(shifts, 1).view(y.shape), 0
+    if r == 0:
+        _check_logical(aten.roll.default, x, b, shifts, dims)
     return x.roll(shifts, [physical_dim(d, b, r) for d in dims]), b
 
 
@@ -193,7 +283,7 @@ def _triangle_rule_for(op):
     def rule(info, in_dims, x, diagonal=0):
         b, r = in_dims[0], logical_rank(x, in_dims[0])
         if r < 2:
-            raise RuntimeError(f"{op}: input tensor must have at least 2 dimensions")
+            _check_logical(op, x, b, diagonal)
         if b < x.dim() - 2:
             return op(x, diagonal), b
         out = op(move_bdim_to_front(x, b), diagonal)
@@ -208,11 +298,14 @@ for _op in (aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_
 
 @register_batch_rule(aten.repeat.default)
 def repeat_rule(info, in_dims, x, repeats):
+    if len(repeats) < logical_rank(x, in_dims[0]):
+        _check_logical(aten.repeat.default, x, in_dims[0], repeats)
     y = pad_to_rank(move_bdim_to_front(x, in_dims[0]), len(repeats))
     return y.repeat(1, *repeats), 0
 
 
 def _is_legacy_empty(t, d) -> bool:
+    """cat skips 1-d tensors of size 0 whatever the other inputs' ranks."""
     shape = t.shape if d is None else t.shape[:d] + t.shape[d + 1:]
     return tuple(shape) == (0,)
 
@@ -224,7 +317,11 @@ def cat_rule(info, in_dims, tensors, dim=0):
     if not kept:  # every input is a legacy empty 1-D tensor
         kept = list(zip(tensors, dims))
     rank = logical_rank(kept[0][0], kept[0][1])
+    if rank == 0:
+        raise RuntimeError("zero-dimensional tensor (at position 0) cannot be concatenated")
     parts = [ensure_bdim_front(t, d, info.batch_size) for t, d in kept]
+    # the skipped tensors still take part in type promotion
+    parts[0] = parts[0].to(functools.reduce(torch.promote_types, [t.dtype for t in tensors]))
     return torch.cat(parts, normalize_dim(dim, rank) + 1), 0
 
 
@@ -235,28 +332,28 @@ def stack_rule(info, in_dims, tensors, dim=0):
     return torch.stack(parts, normalize_dim(dim, rank + 1) + 1), 0
 
 
-def _zeros_batched(grad, bdim, input_sizes):
-    g = move_bdim_to_front(grad, bdim)
-    return g, g.new_zeros((g.shape[0], *input_sizes))
+def _backward_rule_for(op, dim_args):
+    """``op(grad, input_sizes, *args)`` with the logical dims ``args[i]`` for i in
+    ``dim_args``: the batch goes first in grad and in the sizes, the dims shift by one."""
+
+    def rule(info, in_dims, grad, input_sizes, *args):
+        g = move_bdim_to_front(grad, in_dims[0])
+        args = [normalize_dim(a, len(input_sizes)) + 1 if i in dim_args else a
+                for i, a in enumerate(args)]
+        return op(g, [g.shape[0], *input_sizes], *args), 0
+    rule.__name__ = f"backward_rule[{op}]"
+    return rule
 
 
-@register_batch_rule(aten.select_backward.default)
-def select_backward_rule(info, in_dims, grad, input_sizes, dim, index):
-    g, out = _zeros_batched(grad, in_dims[0], input_sizes)
-    out.select(normalize_dim(dim, len(input_sizes)) + 1, index).copy_(g)
-    return out, 0
+for _op, _dims in ((aten.select_backward.default, (0,)), (aten.slice_backward.default, (0,)),
+                   (aten.diagonal_backward.default, (1, 2))):
+    register_batch_rule(_op, _backward_rule_for(_op, _dims))
 
 
-@register_batch_rule(aten.slice_backward.default)
-def slice_backward_rule(info, in_dims, grad, input_sizes, dim, start, end, step):
-    g, out = _zeros_batched(grad, in_dims[0], input_sizes)
-    aten.slice.Tensor(out, normalize_dim(dim, len(input_sizes)) + 1, start, end, step).copy_(g)
-    return out, 0
-
-
-@register_batch_rule(aten.diagonal_backward.default)
-def diagonal_backward_rule(info, in_dims, grad, input_sizes, offset, dim1, dim2):
-    g, out = _zeros_batched(grad, in_dims[0], input_sizes)
-    r = len(input_sizes)
-    out.diagonal(offset, normalize_dim(dim1, r) + 1, normalize_dim(dim2, r) + 1).copy_(g)
-    return out, 0
+@register_batch_rule(aten.unfold_backward.default)
+def unfold_backward_rule(info, in_dims, grad, input_sizes, dim, size, step):
+    if len(input_sizes) == 0:  # a 0-d example unfolds to (size,), size 0 or 1: sum it back
+        normalize_dim(dim, 0)
+        return grad.sum(1 - in_dims[0]), 0
+    return _backward_rule_for(aten.unfold_backward.default, (0,))(
+        info, in_dims, grad, input_sizes, dim, size, step)
