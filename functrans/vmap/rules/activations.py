@@ -1,0 +1,1 @@
+"""activations batching rules (being written)."""

@@ -1,0 +1,1 @@
+"""attention batching rules (being written)."""

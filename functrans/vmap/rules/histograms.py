@@ -1,0 +1,1 @@
+"""histograms batching rules (being written)."""

@@ -1,0 +1,1 @@
+"""linalg_solvers batching rules (being written)."""

@@ -1,0 +1,1 @@
+"""norms batching rules (being written)."""

@@ -1,0 +1,1 @@
+"""rnn batching rules (being written)."""

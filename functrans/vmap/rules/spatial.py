@@ -1,0 +1,1 @@
+"""spatial batching rules (being written)."""

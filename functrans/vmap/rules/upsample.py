@@ -1,0 +1,1 @@
+"""upsample batching rules (being written)."""
