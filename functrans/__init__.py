@@ -9,6 +9,7 @@ from .autodiff.grad import grad, grad_and_value
 from .autodiff.vjp import vjp
 from .autodiff.jvp import jvp, linearize
 from .autodiff.jacobians import jacrev, jacfwd, hessian
+from .vmap.report import FallbackReport, batching_coverage, batching_rules, record_fallbacks
 from . import config
 
 for _f in (vmap, grad, grad_and_value, vjp, jvp, linearize, jacrev, jacfwd, hessian):
@@ -16,6 +17,7 @@ for _f in (vmap, grad, grad_and_value, vjp, jvp, linearize, jacrev, jacfwd, hess
 del _f
 
 __all__ = ["vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd",
-           "hessian", "config", "FunctransError", "TransformArgumentError", "UnsupportedUnderVmap",
+           "hessian", "config", "record_fallbacks", "FallbackReport", "batching_coverage",
+           "batching_rules", "FunctransError", "TransformArgumentError", "UnsupportedUnderVmap",
            "EscapedBatchedTensorError", "PerformanceWarning"]
 __version__ = "0.1.0"

@@ -41,6 +41,11 @@ def _load() -> Dict[Any, Callable]:
     return _table
 
 
+def has_decomposition(op) -> bool:
+    """Whether a usable decomposition of ``op`` exists (and has not failed under vmap)."""
+    return op not in _failed and op in _load()
+
+
 def run_decomposition(op, args, kwargs) -> Tuple[bool, Any]:
     """(True, result) if a decomposition of ``op`` ran on the wrappers, else (False, None)."""
     if op in _failed:

@@ -272,7 +272,17 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
         if meta.inplace_view:
             return _inplace_view(op, args, kwargs, level)
 
-    rule = None if kw_batched else meta.rule
+    rule = meta.rule
+    call_kwargs = kwargs
+    if kw_batched:
+        if rule is not None and getattr(rule, "batched_kwargs", False):
+            # out= variants (derived.py): the rule gets physical keyword values and their bdims.
+            call_kwargs, kw_dims = {}, {}
+            for k, v in kwargs.items():
+                call_kwargs[k], kw_dims[k] = _unwrap(v, level)
+            call_kwargs["_kw_dims"] = kw_dims
+        else:
+            rule = None  # rules take bdims for positional arguments only
     if rule is None:
         from .decompositions import run_decomposition
         from .fallback import loop_fallback
@@ -284,9 +294,9 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
         try:
             if track:
                 with autograd_on_physical_values():
-                    out, out_dims = rule(level, in_dims, *vals, **kwargs)
+                    out, out_dims = rule(level, in_dims, *vals, **call_kwargs)
             else:
-                out, out_dims = rule(level, in_dims, *vals, **kwargs)
+                out, out_dims = rule(level, in_dims, *vals, **call_kwargs)
         except registry.Decline:
             from .fallback import loop_fallback
             with autograd_on_physical_values() if track else contextlib.nullcontext():
@@ -301,6 +311,11 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
         return args[0]  # in-place ops return self: the rule wrote into its physical value
     if meta.returns_none:
         return None
+    if meta.mutable_kw and kw_batched:
+        outs = tuple(kwargs.get(k) for k in meta.mutable_kw)
+        if all(type(o) is _BT and o.level is level for o in outs):
+            # out= ops return their out tensors themselves, as in eager.
+            return outs[0] if len(outs) == 1 else outs
     if type(out_dims) is int:
         return BatchedTensor(out, out_dims, level)
     return _wrap(out, out_dims, level)

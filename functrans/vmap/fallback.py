@@ -18,7 +18,7 @@ import torch
 from .. import config
 from ..errors import PerformanceWarning, UnsupportedUnderVmap
 from .batched_tensor import BatchedTensor
-from .registry import family_of
+from .registry import rules_file
 
 _warned: Set[Any] = set()
 observers: List[Callable[[Any, float], None]] = []
@@ -50,8 +50,7 @@ def _stack(outs: List[Any], op):
 def _fallback_error(op) -> UnsupportedUnderVmap:
     return UnsupportedUnderVmap(
         f"vmap: there is no batching rule for {op}, and the loop fallback is disabled "
-        f"(functrans.config.strict_fallback). A rule for it belongs in "
-        f"functrans/vmap/rules/{family_of(op)}.py.")
+        f"(functrans.config.strict_fallback). A rule for it belongs in {rules_file(op)}.")
 
 
 def _user_stacklevel() -> int:
@@ -94,8 +93,8 @@ def loop_fallback(op, level, in_dims, *vals, **kwargs):
         _warned.add(op)
         warnings.warn(
             f"vmap: no batching rule for {op}; running a per-example loop over the batch, "
-            f"which is correct but slow (a rule for it belongs in "
-            f"functrans/vmap/rules/{family_of(op)}.py).", PerformanceWarning,
+            f"which is correct but slow (a rule for it belongs in {rules_file(op)}).",
+            PerformanceWarning,
             stacklevel=_user_stacklevel())
     start = time.perf_counter() if observers else 0.0
     size = level.batch_size

@@ -10,7 +10,9 @@ for everything else) and ``info`` is the ``VmapLevel`` (``batch_size``, ``random
 rule returns physical outputs and their bdims in the same structure.
 
 Lookup order for an op: its ``OpOverload``, then its ``OpOverloadPacket``, then a rule factory
-for one of its tags (``torch.Tag.pointwise``), then a decomposition, then the loop fallback.
+for one of its tags (``torch.Tag.pointwise``), then a rule derived from its functional
+counterpart's (in-place, ``out=`` and ``*_copy`` variants, ``derived.py``), then a
+decomposition, then the loop fallback.
 Resolutions are cached per op; registering a rule clears the cache.
 """
 from __future__ import annotations
@@ -84,7 +86,8 @@ def register_tag_rule(tag: torch.Tag, factory, *, family: Optional[str] = None) 
 
 
 def find_rule(op: torch._ops.OpOverload) -> Tuple[str, Optional[Rule]]:
-    """``(how, rule)``: how is 'rule' or 'tag'; ('cia', None) for CompositeImplicitAutograd
+    """``(how, rule)``: how is 'rule', 'tag' or 'derived' (from the functional op's rule, see
+    ``derived.py``); ('cia', None) for CompositeImplicitAutograd
     ops, which the dispatcher decomposes; ('none', None) when no rule applies."""
     hit = _resolved_cache.get(op)
     if hit is not None:
@@ -107,6 +110,10 @@ def find_rule(op: torch._ops.OpOverload) -> Tuple[str, Optional[Rule]]:
                 rule = factory(op)
                 if rule is not None:
                     break
+    if rule is None:
+        from .derived import derive_rule
+        how = "derived"
+        rule = derive_rule(op, find_rule)
     hit = (how, rule) if rule is not None else ("none", None)
     _resolved_cache[op] = hit
     return hit
@@ -124,26 +131,51 @@ def family_of(op: torch._ops.OpOverload) -> str:
         if key in _families:
             return _families[key]
     for tag in op.tags:
-        if tag in _tag_families:
+        if tag in _tag_families and find_rule(op)[0] == "tag":
             return _tag_families[tag]
+    from .derived import counterpart
+    kind, base = counterpart(op)
+    if base is not None:
+        return family_of(base)
     return _guess_family(op)
 
 
+def rules_file(op: torch._ops.OpOverload) -> str:
+    """Where ``op``'s rule lives or belongs, for messages: a rules file of functrans, or the
+    user's own code for ops outside ``aten``."""
+    family = family_of(op)
+    if family == "custom":
+        return "your own code: register one with functrans.extend.register_batch_rule"
+    return f"functrans/vmap/rules/{family}.py"
+
+
+# Where a rule for an op without one belongs, by the words in its name (first match wins).
+_FAMILY_WORDS = (
+    ("rnn", "rnn"), ("lstm", "rnn"), ("gru", "rnn"), ("attention", "attention"),
+    ("conv", "conv"), ("unpool", "pooling"), ("pool", "pooling"), ("upsample", "upsample"),
+    ("grid_sampler", "spatial"), ("im2col", "spatial"), ("col2im", "spatial"),
+    ("pixel_", "spatial"), ("_pad", "padding"), ("norm", "norms"), ("embedding", "embedding"),
+    ("index", "indexing"), ("scatter", "indexing"), ("gather", "indexing"), ("take", "indexing"),
+    ("put", "indexing"), ("masked", "indexing"), ("histc", "histograms"),
+    ("histogram", "histograms"), ("bincount", "histograms"), ("searchsorted", "sorting"),
+    ("bucketize", "sorting"), ("sort", "sorting"), ("topk", "sorting"), ("linalg", "linalg_solvers"),
+    ("cholesky", "linalg_solvers"), ("lu_", "linalg_solvers"), ("svd", "linalg_solvers"),
+    ("solve", "linalg_solvers"), ("mm", "linalg"), ("mv", "linalg"), ("loss", "losses"),
+    ("fft", "fft"), ("_like", "factories"), ("new_", "factories"), ("glu", "activations"),
+    ("prelu", "activations"), ("backward", "autograd_ops"),
+)
+
+
 def _guess_family(op: torch._ops.OpOverload) -> str:
+    if op.namespace != "aten":
+        return "custom"
     name = op.overloadpacket.__name__
     tags = set(op.tags)
     if torch.Tag.nondeterministic_seeded in tags:
         return "random"
-    if torch.Tag.reduction in tags:
-        return "reductions"
-    if torch.Tag.inplace in tags or name.endswith("_"):
-        return "inplace"
-    for key, fam in (("conv", "conv_pool_norm"), ("pool", "conv_pool_norm"),
-                     ("norm", "conv_pool_norm"), ("index", "indexing"), ("scatter", "indexing"),
-                     ("gather", "indexing"), ("embedding", "indexing"), ("linalg", "linalg"),
-                     ("mm", "linalg"), ("mv", "linalg"), ("_like", "factories"),
-                     ("new_", "factories"), ("loss", "losses"), ("backward", "autograd_ops"),
-                     ("fft", "fft")):
+    for key, fam in _FAMILY_WORDS:
         if key in name:
             return fam
+    if torch.Tag.reduction in tags:
+        return "reductions"
     return "views"

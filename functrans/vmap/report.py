@@ -1,0 +1,147 @@
+"""What runs how under vmap: the fallback recorder and the coverage listing (public API).
+
+* ``record_fallbacks()`` is a context manager that records every op that ran on the loop
+  fallback inside its block, in this thread, with call counts and time spent::
+
+      with functrans.record_fallbacks() as report:
+          functrans.vmap(model_loss)(xs)
+      print(report)            # a table: op, calls, seconds, where its rule belongs
+      report.ops               # {op name: FallbackRecord}
+
+  The once-per-op warning says that something fell back; this says what, how often, how slow.
+* ``batching_coverage(op)`` says how vmap runs one op: ``'rule'`` (an explicit rule), ``'tag'``
+  (a tag rule, e.g. every pointwise op), ``'derived'`` (in-place / out= / *_copy variants from
+  their functional op's rule), ``'composite'`` (decomposes above dispatch, into ops that are
+  batched themselves), ``'decomposition'`` (a torch._decomp decomposition), ``'fallback'``.
+* ``batching_rules()`` lists every ATen op overload with a rule, and the rules file it lives in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Dict, Iterator, Optional, Union
+
+import torch
+
+from . import fallback, registry
+
+OpLike = Union[torch._ops.OpOverload, torch._ops.OpOverloadPacket, str]
+
+
+@dataclasses.dataclass
+class FallbackRecord:
+    op: str
+    calls: int = 0
+    seconds: float = 0.0
+    rules_file: str = ""
+
+
+class FallbackReport:
+    """The ops that ran on the loop fallback in a ``record_fallbacks()`` block."""
+
+    def __init__(self) -> None:
+        self.ops: Dict[str, FallbackRecord] = {}
+
+    def _add(self, op, seconds: float) -> None:
+        rec = self.ops.get(str(op))
+        if rec is None:
+            rec = self.ops[str(op)] = FallbackRecord(
+                str(op), rules_file=registry.rules_file(op))
+        rec.calls += 1
+        rec.seconds += seconds
+
+    @property
+    def total_calls(self) -> int:
+        return sum(r.calls for r in self.ops.values())
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(r.seconds for r in self.ops.values())
+
+    def __bool__(self) -> bool:
+        return bool(self.ops)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def __iter__(self) -> Iterator[FallbackRecord]:
+        return iter(sorted(self.ops.values(), key=lambda r: -r.seconds))
+
+    def __str__(self) -> str:
+        if not self.ops:
+            return "vmap fallback report: no op ran on the loop fallback."
+        width = max(len(r.op) for r in self.ops.values())
+        lines = [f"vmap fallback report: {len(self.ops)} op(s) ran on the per-example loop, "
+                 f"{self.total_calls} call(s), {self.total_seconds:.4f} s",
+                 f"  {'op':<{width}}  {'calls':>6}  {'seconds':>9}  rule belongs in"]
+        for r in self:
+            lines.append(f"  {r.op:<{width}}  {r.calls:>6}  {r.seconds:>9.4f}  {r.rules_file}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+class record_fallbacks:
+    """Context manager: record the ops that take the loop fallback in this thread.
+
+    Blocks nest (each records everything inside it).  The fallback's once-per-op
+    ``PerformanceWarning`` is unaffected."""
+
+    def __init__(self) -> None:
+        self.report = FallbackReport()
+        self._thread: Optional[int] = None
+
+    def _observe(self, op, seconds: float) -> None:
+        if threading.get_ident() == self._thread:
+            self.report._add(op, seconds)
+
+    def __enter__(self) -> FallbackReport:
+        self._thread = threading.get_ident()
+        fallback.observers.append(self._observe)
+        return self.report
+
+    def __exit__(self, *exc) -> None:
+        fallback.observers.remove(self._observe)
+
+
+def _overload(op: OpLike) -> torch._ops.OpOverload:
+    if isinstance(op, torch._ops.OpOverload):
+        return op
+    if isinstance(op, str):
+        name = op.split("::")[-1]
+        packet_name, _, overload = name.partition(".")
+        namespace = op.split("::")[0] if "::" in op else "aten"
+        packet = getattr(getattr(torch.ops, namespace), packet_name)
+        return getattr(packet, overload or "default")
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return getattr(op, "default")
+    raise TypeError(f"batching_coverage: expected an OpOverload, OpOverloadPacket or a name "
+                    f"like 'aten::index_add' or 'index_add.default', got {op!r}")
+
+
+def batching_coverage(op: OpLike) -> str:
+    """How vmap runs ``op``: 'rule', 'tag', 'derived', 'composite', 'decomposition' or
+    'fallback' (see the module docstring)."""
+    ov = _overload(op)
+    how, _ = registry.find_rule(ov)
+    if how == "cia":
+        return "composite"
+    if how != "none":
+        return how
+    from .decompositions import has_decomposition
+    return "decomposition" if has_decomposition(ov) else "fallback"
+
+
+def batching_rules() -> Dict[str, str]:
+    """``{op overload name: rules file}`` for every ATen overload with a rule of any kind
+    (explicit, tag or derived)."""
+    from .op_listing import all_overloads
+    out = {}
+    for ov in all_overloads():
+        try:
+            how, rule = registry.find_rule(ov)
+        except RuntimeError:  # an overload listed by torch.ops that the dispatcher lacks
+            continue
+        if rule is not None:
+            out[str(ov)] = registry.rules_file(ov)
+    return dict(sorted(out.items()))
