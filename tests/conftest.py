@@ -25,3 +25,67 @@ def pytest_generate_tests(metafunc):
                   pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
                       not torch.cuda.is_available(), reason="no CUDA device"))]
         metafunc.parametrize("device", params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry hygiene: every built-in batching rule must run somewhere in the default test run.
+# At session start every registered rule is wrapped with a counter (the registry's cache is
+# cleared, so dispatch picks the wrappers up).  After a complete default run (all of tests/, no
+# -k, the default marker expression) any rule that never ran fails the session, with its name:
+# add a family test or an OpInfo op to the fast sweep that reaches it.
+
+_rule_calls = {}
+
+
+def _complete_default_run(config) -> bool:
+    import os
+    args = [os.path.normpath(os.path.abspath(a)) for a in config.args]
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(tests_dir)
+    whole = not args or all(a in (tests_dir, root) for a in args)
+    return whole and not config.getoption("keyword") and \
+        config.getoption("markexpr") in ("", "not sweep")
+
+
+def pytest_sessionstart(session):
+    from functrans.vmap import registry
+
+    def counted(key, fn):
+        def rule(*args, **kwargs):
+            _rule_calls[key] += 1
+            return fn(*args, **kwargs)
+        rule.__name__ = getattr(fn, "__name__", "rule")
+        if getattr(fn, "batched_kwargs", False):
+            rule.batched_kwargs = True
+        return rule
+
+    for table in (registry._overload_rules, registry._packet_rules):
+        for op, fn in list(table.items()):
+            _rule_calls[str(op)] = 0
+            table[op] = counted(str(op), fn)
+    registry._changed()
+
+
+def unexercised_rules():
+    return sorted(k for k, n in _rule_calls.items() if n == 0)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _complete_default_run(session.config) and unexercised_rules() and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _complete_default_run(config):
+        return
+    missing = unexercised_rules()
+    if missing:
+        terminalreporter.write_line(
+            f"RULE COVERAGE FAILED: {len(missing)} of {len(_rule_calls)} registered batching "
+            "rules never ran in the default test run (add a family test or a fast-sweep op "
+            "that reaches each):", red=True)
+        for name in missing:
+            terminalreporter.write_line(f"  {name}")
+    else:
+        terminalreporter.write_line(
+            f"rule coverage: all {len(_rule_calls)} registered batching rules ran.")

@@ -414,11 +414,14 @@ class OpResult:
     skipped: Optional[str] = None
     checks: List[Check] = dataclasses.field(default_factory=list)
 
-    def outcome(self, impl: str) -> str:
+    def outcome(self, impl: str, nested: Optional[bool] = None) -> str:
+        """The worst outcome over this op's checks by ``impl`` (only the plain vmap checks,
+        or only vmap∘vmap, when ``nested`` is given)."""
         if self.skipped:
             return "skipped"
         order = FUNCTRANS_OUTCOMES if impl == "functrans" else TORCH_OUTCOMES
-        seen = [c.outcome for c in self.checks if c.impl == impl and c.outcome in order]
+        seen = [c.outcome for c in self.checks if c.impl == impl and c.outcome in order
+                and (nested is None or c.nested == nested)]
         if not seen:
             return "oracle_invalid" if self.checks else "skipped"
         return max(seen, key=order.index)
@@ -532,6 +535,35 @@ def sweep(ops, *, full: bool, with_torch: bool = True, progress=None) -> List[Op
     return out
 
 
+SIDE_BY_SIDE = ("rule", "fallback", "error", "wrong")
+
+
+def per_check(results: List[OpResult], nested: bool) -> Dict[str, collections.Counter]:
+    """{impl: Counter of ops by worst outcome} over the plain (or nested) checks, with
+    'decomposition' counted as 'rule' (both are batched code, not the loop)."""
+    out = {}
+    for impl in ("functrans", "torch.vmap"):
+        cnt = collections.Counter()
+        for r in results:
+            if r.skipped:
+                continue
+            o = r.outcome(impl, nested)
+            cnt["rule" if o == "decomposition" else o] += 1
+        out["torch.func" if impl == "torch.vmap" else impl] = cnt
+    return out
+
+
+def check_table(rows: Dict[str, Dict[str, collections.Counter]]) -> List[str]:
+    """Rows of 'functrans | torch.func' op counts per outcome, one row per check."""
+    lines = [f"  {'check':<11}" + "".join(f"{k:>18}" for k in SIDE_BY_SIDE)]
+    for check, counts in rows.items():
+        lines.append(f"  {check:<11}" + "".join(
+            f"{counts['functrans'].get(k, 0):>9} | {counts['torch.func'].get(k, 0):<6}"
+            for k in SIDE_BY_SIDE))
+    lines.append("  (each cell: functrans | torch.func)")
+    return lines
+
+
 def report(results: List[OpResult], seconds: Optional[float] = None) -> str:
     lines = []
     ft = collections.Counter(r.outcome("functrans") for r in results)
@@ -549,6 +581,9 @@ def report(results: List[OpResult], seconds: Optional[float] = None) -> str:
         lines.append(f"{o:<16}{ft.get(o, 0):>14}{tv.get(o, 0) if o != 'decomposition' else '-':>16}"
                      f"{checks_ft.get(o, 0):>18}"
                      f"{checks_tv.get(o, 0) if o != 'decomposition' else '-':>19}")
+    lines += ["", "per check (ops by worst outcome; rule includes decomposition):"]
+    lines += check_table({"vmap": per_check(results, False),
+                          "vmap∘vmap": per_check(results, True)})
     lines.append("")
     skips = collections.Counter(r.skipped.split(":")[0] for r in results if r.skipped)
     lines.append("skipped: " + ", ".join(f"{why} ({n})" for why, n in skips.most_common()))

@@ -91,10 +91,13 @@ def loop_fallback(op, level, in_dims, *vals, **kwargs):
             "randomness='different', or draw the random values outside vmap and pass them in.")
     if config.warn_on_fallback and op not in _warned:
         _warned.add(op)
+        from .known_fallbacks import reason
+        why = reason(op)
+        where = f"no batching rule on purpose: {why}" if why else \
+            f"a rule for it belongs in {rules_file(op)}"
         warnings.warn(
             f"vmap: no batching rule for {op}; running a per-example loop over the batch, "
-            f"which is correct but slow (a rule for it belongs in {rules_file(op)}).",
-            PerformanceWarning,
+            f"which is correct but slow ({where}).", PerformanceWarning,
             stacklevel=_user_stacklevel())
     start = time.perf_counter() if observers else 0.0
     size = level.batch_size

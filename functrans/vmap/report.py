@@ -34,6 +34,7 @@ class FallbackRecord:
     calls: int = 0
     seconds: float = 0.0
     rules_file: str = ""
+    on_purpose: str = ""   # why the op has no rule, if that is deliberate (known_fallbacks)
 
 
 class FallbackReport:
@@ -45,8 +46,9 @@ class FallbackReport:
     def _add(self, op, seconds: float) -> None:
         rec = self.ops.get(str(op))
         if rec is None:
+            from .known_fallbacks import reason
             rec = self.ops[str(op)] = FallbackRecord(
-                str(op), rules_file=registry.rules_file(op))
+                str(op), rules_file=registry.rules_file(op), on_purpose=reason(op))
         rec.calls += 1
         rec.seconds += seconds
 
@@ -75,7 +77,8 @@ class FallbackReport:
                  f"{self.total_calls} call(s), {self.total_seconds:.4f} s",
                  f"  {'op':<{width}}  {'calls':>6}  {'seconds':>9}  rule belongs in"]
         for r in self:
-            lines.append(f"  {r.op:<{width}}  {r.calls:>6}  {r.seconds:>9.4f}  {r.rules_file}")
+            where = f"(none on purpose: {r.on_purpose})" if r.on_purpose else r.rules_file
+            lines.append(f"  {r.op:<{width}}  {r.calls:>6}  {r.seconds:>9.4f}  {where}")
         return "\n".join(lines)
 
     __repr__ = __str__

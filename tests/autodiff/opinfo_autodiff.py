@@ -90,6 +90,31 @@ def _checks_for(g, diff) -> Dict[str, tuple]:
     }
 
 
+def _run(impl: str, run, vmapped: bool):
+    """(result, how): how is 'pass' for vjp/jvp; for the vmapped checks 'rule' (batching rules
+    or decompositions only: functrans ran strict, torch.func gave no fallback warning) or
+    'fallback' (some op ran on the per-example loop)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if not vmapped:
+            return run(IMPLS[impl]), "pass"
+        if impl == "functrans":
+            try:
+                with ft.config.strict_fallback():
+                    return run(ft), "rule"
+            except ft.UnsupportedUnderVmap as e:
+                if "loop fallback is disabled" not in str(e):
+                    raise
+            return run(ft), "fallback"
+        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+        try:
+            out = run(tf)
+        finally:
+            torch._C._functorch._set_vmap_fallback_warning_enabled(False)  # its default
+    slow = any("performance drop" in str(w.message) for w in caught)
+    return out, "fallback" if slow else "rule"
+
+
 def sweep_op(op, *, full: bool, impls: Sequence[str] = tuple(IMPLS)) -> Dict[str, object]:
     """{"skipped": reason} or {(impl, check): [outcome or 'error: msg', ...]}"""
     reason = skip_reason(op)
@@ -136,11 +161,9 @@ def sweep_op(op, *, full: bool, impls: Sequence[str] = tuple(IMPLS)) -> Dict[str
                 continue
             for impl in impls:
                 try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        actual = run(IMPLS[impl])
+                    actual, how = _run(impl, run, vmapped=name.startswith("vmap"))
                     diffmsg = compare(actual, expected)
-                    results[(impl, name)].append("pass" if diffmsg is None or
+                    results[(impl, name)].append(how if diffmsg is None or
                                                  diffmsg.startswith("only non-finite")
                                                  else f"wrong: {diffmsg}")
                 except Exception as e:
@@ -151,10 +174,25 @@ def sweep_op(op, *, full: bool, impls: Sequence[str] = tuple(IMPLS)) -> Dict[str
 
 def worst(outcomes: List[str]) -> str:
     kinds = [o.split(":")[0] for o in outcomes]
-    for k in ("wrong", "error", "oracle_invalid", "pass"):
+    for k in ("wrong", "error", "oracle_invalid", "fallback", "rule", "pass"):
         if k in kinds:
             return k
     return "none"
+
+
+OUTCOMES = ("pass", "rule", "fallback", "error", "wrong", "oracle_invalid")
+
+
+def counts(results: Dict[str, Dict[str, object]], check: str) -> Dict[str, collections.Counter]:
+    """{impl: Counter of ops by worst outcome} for one check."""
+    out = {impl: collections.Counter() for impl in IMPLS}
+    for res in results.values():
+        if "skipped" in res:
+            continue
+        for impl in IMPLS:
+            if (impl, check) in res:
+                out[impl][worst(res[(impl, check)])] += 1
+    return out
 
 
 def select(full: bool, names: Optional[Sequence[str]] = None):
@@ -165,21 +203,13 @@ def select(full: bool, names: Optional[Sequence[str]] = None):
 
 
 def report(results: Dict[str, Dict[str, object]]) -> str:
-    lines = ["OpInfo autodiff checks: ops by worst outcome (functrans | torch.func)", ""]
-    header = f"{'check':<10}" + "".join(f"{k:>22}" for k in ("pass", "error", "wrong",
-                                                                "oracle_invalid"))
-    lines.append(header)
+    lines = ["OpInfo autodiff checks: ops by worst outcome (functrans | torch.func); for the",
+             "vmapped checks 'rule' means batching rules only, 'fallback' that some op looped", ""]
+    lines.append(f"{'check':<10}" + "".join(f"{k:>18}" for k in OUTCOMES))
     for check in CHECKS:
-        counts = {impl: collections.Counter() for impl in IMPLS}
-        for res in results.values():
-            if "skipped" in res:
-                continue
-            for impl in IMPLS:
-                if (impl, check) in res:
-                    counts[impl][worst(res[(impl, check)])] += 1
+        c = counts(results, check)
         lines.append(f"{check:<10}" + "".join(
-            f"{counts['functrans'][k]:>12} | {counts['torch.func'][k]:<7}"
-            for k in ("pass", "error", "wrong", "oracle_invalid")))
+            f"{c['functrans'][k]:>9} | {c['torch.func'][k]:<6}" for k in OUTCOMES))
     skipped = collections.Counter(r["skipped"] for r in results.values() if "skipped" in r)
     lines += ["", f"ops: {len(results)}; skipped: " + ", ".join(f"{v} {k}" for k, v in
                                                               skipped.most_common())]

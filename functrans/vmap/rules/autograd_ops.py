@@ -1,7 +1,8 @@
 """Ops that autograd and forward-mode AD issue by themselves on batched values.
 
 ``detach``, ``alias``, ``_to_copy``, ``clone``, ``copy_``, ``fill_``, ``zero_``,
-``is_same_size``, ``_has_same_storage_numel``, ``_make_dual`` / ``_unpack_dual`` (forward AD),
+``is_same_size``, ``_has_same_storage_numel``, ``_make_dual`` (forward AD; ``_unpack_dual`` is
+composite and decomposes before vmap sees it),
 ``_conj`` / ``_neg_view`` (materialised: see Note [conjugate and negative bits]).
 Invariants: outputs keep the input's bdim (no movedim, no copy beyond what the op itself does);
 in-place ops write into the physical ``self``.
@@ -24,8 +25,7 @@ def _same_bdim(op):
 
 
 for _op in (aten.detach.default, aten.alias.default, aten.zero_.default,
-            aten.fill_.Scalar, aten.resolve_conj.default, aten.resolve_neg.default,
-            aten.lift_fresh.default, aten.conj_physical.default):
+            aten.fill_.Scalar, aten.lift_fresh.default):
     register_batch_rule(_op, _same_bdim(_op))
 
 
@@ -108,9 +108,3 @@ def has_same_storage_numel_rule(info, in_dims, a, b):
 def make_dual_rule(info, in_dims, primal, tangent, level):
     # Below autograd, _make_dual is a view of the primal; autograd attaches the tangent.
     return aten.alias.default(primal), in_dims[0]
-
-
-@register_batch_rule(aten._unpack_dual.default)
-def unpack_dual_rule(info, in_dims, dual, level):
-    primal, tangent = aten._unpack_dual.default(dual, level)
-    return (primal, tangent), (in_dims[0], None if tangent is None else in_dims[0])
