@@ -32,7 +32,7 @@ def test_every_rule_has_a_family_file():
     rules_dir = pathlib.Path(registry.__file__).parent / "rules"
     files = {p.stem for p in rules_dir.glob("*.py")}
     bad = {str(op): registry._families[op] for op in registry.registered_ops()
-           if registry._families[op] not in files}
+           if op.namespace == "aten" and registry._families[op] not in files}
     assert not bad, bad
 
 
