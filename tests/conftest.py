@@ -50,13 +50,13 @@ def _complete_default_run(config) -> bool:
 def pytest_sessionstart(session):
     from functrans.vmap import registry
 
+    import functools
+
     def counted(key, fn):
+        @functools.wraps(fn)  # keeps __module__, __name__ and attributes such as batched_kwargs
         def rule(*args, **kwargs):
             _rule_calls[key] += 1
             return fn(*args, **kwargs)
-        rule.__name__ = getattr(fn, "__name__", "rule")
-        if getattr(fn, "batched_kwargs", False):
-            rule.batched_kwargs = True
         return rule
 
     for table in (registry._overload_rules, registry._packet_rules):

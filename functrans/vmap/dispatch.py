@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..errors import EscapedBatchedTensorError, UnsupportedUnderVmap
-from . import registry
+from . import copied_views, registry
 from .batched_tensor import BatchedTensor
 
 _BT = BatchedTensor
@@ -125,6 +125,13 @@ def _batched_any(dims) -> bool:
 
 
 def _check_inplace(op, meta: _OpMeta, args, in_dims, kwargs, level) -> None:
+    if copied_views._copies:
+        for i in meta.mutable_pos:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                copied_views.check_write(op, args[i])
+        for name in meta.mutable_kw:
+            if isinstance(kwargs.get(name), torch.Tensor):
+                copied_views.check_write(op, kwargs[name])
     for i in meta.mutable_pos:
         if i < len(args) and in_dims[i] is None and isinstance(args[i], torch.Tensor):
             if any(_batched_any(d) for j, d in enumerate(in_dims) if j != i) or any(

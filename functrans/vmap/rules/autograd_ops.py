@@ -1,8 +1,8 @@
 """Ops that autograd and forward-mode AD issue by themselves on batched values.
 
 ``detach``, ``alias``, ``_to_copy``, ``clone``, ``copy_``, ``fill_``, ``zero_``,
-``is_same_size``, ``_has_same_storage_numel``, ``_make_dual`` (forward AD; ``_unpack_dual`` is
-composite and decomposes before vmap sees it),
+``is_same_size``, ``_has_same_storage_numel`` (forward AD's ``_make_dual`` / ``_unpack_dual``
+never reach vmap: a jvp inside vmap records on the wrappers, one around it is refused),
 ``_conj`` / ``_neg_view`` (materialised: see Note [conjugate and negative bits]).
 Invariants: outputs keep the input's bdim (no movedim, no copy beyond what the op itself does);
 in-place ops write into the physical ``self``.
@@ -25,7 +25,7 @@ def _same_bdim(op):
 
 
 for _op in (aten.detach.default, aten.alias.default, aten.zero_.default,
-            aten.fill_.Scalar, aten.lift_fresh.default):
+            aten.fill_.Scalar):
     register_batch_rule(_op, _same_bdim(_op))
 
 
@@ -45,6 +45,37 @@ def neg_view_rule(info, in_dims, x):
     return torch.neg(x), in_dims[0]
 
 
+def example_is_dense(x: torch.Tensor, bdim: int) -> bool:
+    """Whether one example of ``x`` is non-overlapping and dense (eager's copies preserve such
+    a tensor's strides, and make any other tensor contiguous)."""
+    dims = sorted(((st, n) for d, (n, st) in enumerate(zip(x.shape, x.stride()))
+                   if d != bdim and n != 1))
+    expected = 1
+    for st, n in dims:
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _copy_layout(x: torch.Tensor, bdim: int):
+    """(x, bdim, copied) laid out as eager's preserve_format copy lays out each example: kept
+    when an example is dense, else copied with the batch first and each example dense, its
+    dims in the order of their strides (as ``empty_like`` infers dense strides)."""
+    if bdim == 0 or example_is_dense(x, bdim):
+        return x, bdim, False
+    y = move_bdim_to_front(x, bdim)
+    shape, strides = y.shape[1:], y.stride()[1:]
+    order = sorted(range(len(shape)), key=lambda d: (strides[d], -d))  # fastest first
+    dense, step = [0] * len(shape), 1
+    for d in order:
+        dense[d] = step
+        step *= max(shape[d], 1)
+    out = y.new_empty_strided(y.shape, (step, *dense))  # batched too, if y is of a lower level
+    out.copy_(y)
+    return out, 0, True
+
+
 @register_batch_rule(aten._to_copy.default)
 def to_copy_rule(info, in_dims, x, **kwargs):
     if kwargs.get("memory_format") not in (None, torch.preserve_format):
@@ -56,13 +87,18 @@ def to_copy_rule(info, in_dims, x, **kwargs):
         if fmt == torch.contiguous_format:
             out = out.contiguous()
         return out, 0
-    return aten._to_copy.default(x, **kwargs), in_dims[0]
+    y, bdim, copied = _copy_layout(x, in_dims[0])
+    if copied and (kwargs.get("dtype") in (None, x.dtype)) and (
+            kwargs.get("device") in (None, x.device)):
+        return y, bdim  # already a fresh copy with the right layout
+    return aten._to_copy.default(y, **kwargs), bdim
 
 
 @register_batch_rule(aten.clone.default)
 def clone_rule(info, in_dims, x, *, memory_format=None):
     if memory_format in (None, torch.preserve_format):
-        return x.clone(), in_dims[0]
+        y, bdim, copied = _copy_layout(x, in_dims[0])
+        return (y if copied else y.clone()), bdim
     # A contiguous logical tensor needs the batch dim first; other formats are layouts only.
     return move_bdim_to_front(x, in_dims[0]).contiguous(), 0
 
@@ -102,9 +138,3 @@ def has_same_storage_numel_rule(info, in_dims, a, b):
     def numel(t, d):
         return t.numel() // (t.shape[d] if d is not None and t.shape[d] else 1)
     return numel(a, in_dims[0]) == numel(b, in_dims[1]), None
-
-
-@register_batch_rule(aten._make_dual.default)
-def make_dual_rule(info, in_dims, primal, tangent, level):
-    # Below autograd, _make_dual is a view of the primal; autograd attaches the tangent.
-    return aten.alias.default(primal), in_dims[0]

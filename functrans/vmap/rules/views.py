@@ -18,16 +18,8 @@ Invariants:
 ``as_strided`` is left to the loop fallback: its storage offset is absolute, so what it means
 for one example of a batch depends on where that example lives in the physical storage.
 
-Note [view after moving the bdim]
-``view`` needs the batch dim at the front.  A logical view that is legal may become physically
-impossible once a non-leading bdim is moved to the front (the strides no longer compose); then
-the rule reshapes, which copies.  The values are right, but an in-place write through that
-result no longer reaches the input (nor a write into the input the result).  It happens only
-when the physical layout interleaves the batch with the example's dims (``in_dims`` other than
-0, and outputs of rules that keep such a bdim, ``clone`` included).  Eager's stride errors are
-not raised either: a logical tensor's strides follow the physical layout, so they can differ
-from the strides the same tensor has in eager (``t.clone()`` of a non-leading bdim is not
-contiguous per example); a wrong number of elements raises eager's error.
+``view`` aliases whenever one example's view exists, and copies otherwise: see Note [view after
+moving the bdim] in ``vmap/copied_views.py``, which also guards in-place writes into such copies.
 """
 from __future__ import annotations
 
@@ -38,6 +30,8 @@ import torch
 
 from ..helpers import (ensure_bdim_front, logical_rank, move_bdim_to_front, normalize_dim,
                        pad_to_rank, physical_dim)
+from .. import copied_views
+from ..batched_tensor import BatchedTensor
 from ..registry import Decline, register_batch_rule
 
 aten = torch.ops.aten
@@ -70,13 +64,24 @@ def _alias(x, bdim):
 
 @register_batch_rule([aten.view.default, aten._unsafe_view.default])
 def view_rule(info, in_dims, x, shape):
-    y = move_bdim_to_front(x, in_dims[0])
+    b = in_dims[0]
+    y = move_bdim_to_front(x, b)
     new_shape = (y.shape[0], *shape)
     try:
         return y.view(new_shape), 0
     except RuntimeError:
-        _check_numel(x, in_dims[0], shape)
-        return y.reshape(new_shape), 0  # See Note [view after moving the bdim]
+        pass
+    # See Note [view after moving the bdim] (copied_views.py).
+    _check_numel(x, b, shape)
+    try:
+        if type(x) is BatchedTensor:
+            raise RuntimeError("as_strided cannot address a lower level's batched memory")
+        example = x.select(b, 0).view(shape)
+    except RuntimeError:
+        out = y.reshape(new_shape)
+        copied_views.record(out, x)
+        return out, 0
+    return x.as_strided(new_shape, (x.stride(b), *example.stride()), x.storage_offset()), 0
 
 
 @register_batch_rule(aten._reshape_alias.default)

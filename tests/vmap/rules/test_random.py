@@ -44,6 +44,20 @@ OPS = {
     "cauchy_": lambda x: torch.empty_like(x).cauchy_(),
     "log_normal_": lambda x: torch.empty_like(x).log_normal_(),
     "geometric_": lambda x: torch.empty_like(x).geometric_(0.5),
+    "uniform": lambda x: torch.ops.aten.uniform(torch.empty_like(x), -1.0, 1.0),
+    "exponential": lambda x: torch.ops.aten.exponential(torch.empty_like(x)),
+    "cauchy": lambda x: torch.ops.aten.cauchy(torch.empty_like(x)),
+    "log_normal": lambda x: torch.ops.aten.log_normal(torch.empty_like(x)),
+    "geometric": lambda x: torch.ops.aten.geometric(torch.empty_like(x), 0.5),
+    "rand_like.generator": lambda x: torch.rand_like(x, generator=_gen()) + torch.rand_like(x),
+    "randn_like.generator": lambda x: torch.randn_like(x, generator=_gen()) + torch.randn_like(x),
+    "randint_like.generator": lambda x: torch.randint_like(x, 1000, generator=_gen())
+    + torch.randint_like(x, 1000),
+    "randint_like.low_generator": lambda x: torch.randint_like(x, 5, 1000, generator=_gen())
+    + torch.randint_like(x, 1000),
+    "randint_like.Tensor": lambda x: torch.ops.aten.randint_like.Tensor(x, torch.tensor(1000)),
+    "randint_like.Tensor_generator": lambda x: torch.ops.aten.randint_like.Tensor_generator(
+        x, torch.tensor(1000), generator=_gen()) + torch.randint_like(x, 1000),
     "random_": lambda x: torch.empty_like(x).random_(),
     "random_.to": lambda x: torch.empty_like(x).random_(1000),
     "random_.from": lambda x: torch.empty_like(x).random_(5, 1000),
@@ -103,7 +117,10 @@ TORCH_VMAP_REFUSES_SAME = {"bernoulli", "bernoulli_.Tensor", "normal.Tensor_Tens
                            "multinomial_replacement", "multinomial_2d",
                            "multinomial_2d_replacement"}
 # torch.vmap's loop fallback for bernoulli.Tensor draws without checking randomness='error'
-TORCH_VMAP_MISSES_ERROR = {"bernoulli.Tensor"}
+# (and it draws for the functional forms of the in-place samplers, and randint_like.Tensor)
+TORCH_VMAP_MISSES_ERROR = {"bernoulli.Tensor", "fixed uniform", "fixed exponential",
+                           "fixed cauchy", "fixed log_normal", "fixed geometric",
+                           "fixed randint_like.Tensor"}
 TORCH_VMAP_LACKS = {"rrelu", "rrelu_"}  # torch.vmap has no batching rule for rrelu
 ALL = {**{"fixed " + k: f for k, f in OPS.items()}, **VALUE_OPS, **NO_SAME_OPS}
 

@@ -1,0 +1,37 @@
+"""Rules that the sweeps do not reach by themselves: autograd's helper ops (_neg_view,
+fill_.Tensor), the private _logcumsumexp, in-place scatter_add_, and the 3-D pooling backward
+ops (reached by vmap(grad)).  Loop oracle, every in_dims choice, strict."""
+import torch
+import torch.nn.functional as F
+
+import functrans as ft
+from tests.oracles import assert_same, check_vmap_all_bdims
+
+g = torch.Generator().manual_seed(0)
+X = torch.randn(4, 5, generator=g)
+
+
+def test_neg_view_and_fill_tensor():
+    check_vmap_all_bdims(lambda a: torch._neg_view(a) * 1, [X])
+    check_vmap_all_bdims(lambda a, v: (a.clone() + 0 * v).fill_(v), [X, torch.tensor(0.5)])
+
+
+def test_private_logcumsumexp():
+    check_vmap_all_bdims(lambda a: torch._logcumsumexp(a, 1), [X])
+
+
+def test_scatter_add_in_place():
+    idx = torch.tensor([[0, 2, 1, 3, 0]])
+    # (a.clone() + 0 * s.sum(): the target is batched whenever the source is, as in eager)
+    check_vmap_all_bdims(lambda a, s: (a.clone() + 0 * s.sum()).scatter_add_(0, idx, s),
+                         [X, X[:1] * 2])
+
+
+def test_pool3d_backward_ops_under_vmap_grad():
+    x = torch.randn(3, 2, 4, 4, 4, generator=g)
+    for pool in (lambda b: F.avg_pool3d(b, 2), lambda b: F.max_pool3d(b, 2),
+                 lambda b: F.adaptive_avg_pool3d(b, 2)):
+        f = lambda b: (pool(b) ** 2).sum()
+        with ft.config.strict_fallback():
+            got = ft.vmap(ft.grad(f))(x)
+        assert_same(got, torch.func.vmap(torch.func.grad(f))(x))
