@@ -5,6 +5,8 @@
 * ops whose output shape depends on the data (``nonzero``, ``masked_select``, ``unique``...,
   every op tagged ``dynamic_output_shape``) cannot be stacked into one tensor;
 * ops tagged ``data_dependent_output`` that return Python values (``equal``...).
+
+``nonzero_static`` is the exception that batches: its output shape is fixed by ``size``.
 """
 from __future__ import annotations
 
@@ -76,3 +78,25 @@ register_tag_rule(torch.Tag.dynamic_output_shape, _dynamic_shape_rule_for,
                   family="data_dependent")
 register_tag_rule(torch.Tag.data_dependent_output, _data_dependent_rule_for,
                   family="data_dependent")
+
+
+@register_batch_rule(aten.nonzero_static.default)
+def nonzero_static_rule(info, in_dims, x, *, size, fill_value=-1):
+    """``nonzero_static`` has a fixed output shape [size, ndim], so it batches: each example's
+    nonzero positions in row-major order (a stable sort puts them first), cut or padded to
+    ``size`` with ``fill_value``."""
+    y = x.movedim(in_dims[0], 0)
+    B, shape = y.shape[0], y.shape[1:]
+    mask = (y != 0).reshape(B, -1)
+    k = min(size, mask.shape[1])
+    flat = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices[:, :k]
+    coords = []
+    for n in reversed(shape):
+        coords.append(flat % n)
+        flat = torch.div(flat, n, rounding_mode="floor")
+    out = torch.stack(coords[::-1], -1) if coords else flat.new_zeros((B, k, 0))
+    valid = torch.arange(k, device=x.device) < mask.sum(1, keepdim=True)
+    out = torch.where(valid.unsqueeze(-1), out, fill_value)
+    if size > k:
+        out = torch.cat([out, out.new_full((B, size - k, len(shape)), fill_value)], 1)
+    return out, 0

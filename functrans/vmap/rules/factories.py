@@ -95,3 +95,45 @@ def fill_tensor_rule(info, in_dims, x, value):
     value = pad_to_rank(move_bdim_to_front(value, vd), len(shape))
     value = value.to(device=x.device, dtype=x.dtype)
     return value.expand(info.batch_size, *shape).clone(memory_format=torch.contiguous_format), 0
+
+
+# ---------------------------------------------------------------------------------------------
+# linspace / logspace with tensor endpoints: a batched 0-d start or end gives each example its
+# own range.  The values follow eager's kernel: start + step * i for the first half of the
+# points and end - step * (steps - 1 - i) for the rest (logspace: base to those powers).
+
+def _space(info, in_dims, start, end, steps, base, dtype, device):
+    from ..registry import Decline
+    dtype = dtype or torch.get_default_dtype()
+    if not dtype.is_floating_point:
+        raise Decline()  # integer ranges round per element in eager's own way: the loop
+    B = info.batch_size
+
+    def column(v, d):
+        if isinstance(v, torch.Tensor):
+            v = v.to(dtype)
+            return (v if d is None else v.movedim(d, 0)).reshape(-1, 1).expand(B, 1)
+        return torch.full((B, 1), v, dtype=dtype, device=device)
+
+    lo, hi = column(start, in_dims[0]), column(end, in_dims[1])
+    if steps == 1:
+        points = lo.clone()
+    else:
+        i = torch.arange(steps, device=lo.device, dtype=dtype).expand(B, steps)
+        step = (hi - lo) / (steps - 1)
+        points = torch.where(i < steps // 2, lo + step * i, hi - step * (steps - 1 - i))
+    return (points if base is None else torch.pow(base, points)), 0
+
+
+def _space_rule(base_arg: bool):
+    def rule(info, in_dims, start, end, steps, *rest, dtype=None, layout=None, device=None,
+             pin_memory=None):
+        base = rest[0] if base_arg and rest else (10.0 if base_arg else None)
+        dev = device or next(v.device for v in (start, end) if isinstance(v, torch.Tensor))
+        return _space(info, in_dims, start, end, steps, base, dtype, dev)
+    return rule
+
+
+for _name in ("Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor"):
+    register_batch_rule(getattr(torch.ops.aten.linspace, _name), _space_rule(False))
+    register_batch_rule(getattr(torch.ops.aten.logspace, _name), _space_rule(True))

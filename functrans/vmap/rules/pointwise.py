@@ -171,3 +171,11 @@ def pointwise_rule_for(op: torch._ops.OpOverload):
 
 
 register_tag_rule(torch.Tag.pointwise, pointwise_rule_for, family="pointwise")
+
+# Elementwise ops that PyTorch does not tag pointwise: the same broadcasting rule serves them.
+from ..registry import register_batch_rule  # noqa: E402
+
+aten = torch.ops.aten
+
+for _op in (aten.rsub.Tensor, aten.rsub.Scalar, aten.complex.default, aten.polar.default):
+    register_batch_rule(_op, pointwise_rule_for(_op))

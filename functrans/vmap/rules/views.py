@@ -362,3 +362,59 @@ def unfold_backward_rule(info, in_dims, grad, input_sizes, dim, size, step):
         return grad.sum(1 - in_dims[0]), 0
     return _backward_rule_for(aten.unfold_backward.default, (0,))(
         info, in_dims, grad, input_sizes, dim, size, step)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape ops that copy: diag_embed (diag, diagflat), rot90, narrow_copy, block_diag.
+
+@register_batch_rule(aten.diag_embed.default)
+def diag_embed_rule(info, in_dims, x, offset=0, dim1=-2, dim2=-1):
+    y = move_bdim_to_front(x, in_dims[0])
+    out_rank = y.dim()  # the logical output has one dim more than the logical input
+    d1, d2 = normalize_dim(dim1, out_rank) + 1, normalize_dim(dim2, out_rank) + 1
+    if d1 == d2:
+        _check_logical(aten.diag_embed.default, x, in_dims[0], offset, dim1, dim2)
+    return torch.diag_embed(y, offset, d1, d2), 0
+
+
+@register_batch_rule(aten.rot90.default)
+def rot90_rule(info, in_dims, x, k=1, dims=(0, 1)):
+    b = in_dims[0]
+    rank = logical_rank(x, b)
+    if len(dims) != 2 or rank < 2:
+        _check_logical(aten.rot90.default, x, b, k, dims)
+    return torch.rot90(x, k, [physical_dim(d, b, rank) for d in dims]), b
+
+
+@register_batch_rule(aten.narrow_copy.default)
+def narrow_copy_rule(info, in_dims, x, dim, start, length):
+    b = in_dims[0]
+    rank = logical_rank(x, b)
+    if rank == 0:
+        _check_logical(aten.narrow_copy.default, x, b, dim, start, length)
+    return torch.narrow_copy(x, physical_dim(dim, b, rank), start, length), b
+
+
+@register_batch_rule(aten.block_diag.default)
+def block_diag_rule(info, in_dims, tensors):
+    """Each example's blocks go on the diagonal of its own matrix: each block row is the block
+    padded with zeros left and right, and the rows are concatenated (no in-place writes, so
+    blocks batched at an outer level mix freely).  0-d blocks are [1, 1], 1-d ones [1, n]."""
+    B = info.batch_size
+    blocks = []
+    for t, d in zip(tensors, in_dims[0]):
+        t = ensure_bdim_front(t, d, B)
+        if t.dim() > 3:
+            raise RuntimeError(f"torch.block_diag: Input tensors must have 2 or fewer "
+                               f"dimensions. Input has {t.dim() - 1} dimensions")
+        blocks.append(t.reshape(B, 1, 1) if t.dim() == 1 else
+                      t.unsqueeze(1) if t.dim() == 2 else t)
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in blocks])
+    cols = sum(t.shape[2] for t in blocks)
+    rows, c = [], 0
+    for t in blocks:
+        h, w = t.shape[1], t.shape[2]
+        rows.append(torch.cat([t.new_zeros((B, h, c), dtype=dtype), t.to(dtype),
+                               t.new_zeros((B, h, cols - c - w), dtype=dtype)], 2))
+        c += w
+    return torch.cat(rows, 1), 0
