@@ -1,7 +1,13 @@
-"""Padding (first part; issue 4 extends it): constant_pad_nd.
+"""Padding: constant_pad_nd, reflection_pad{1,2,3}d, replication_pad{1,2,3}d and the
+reflection/replication backward ops.  (Circular padding is CompositeImplicitAutograd: it
+decomposes into slicing and cat.)
 
-Invariant: the pad list addresses the LAST logical dims; the bdim stays where it is when it lies
-before them, otherwise it moves to the front first.
+Invariants:
+* constant_pad_nd: the pad list addresses the LAST logical dims; the bdim stays where it is when
+  it lies before them, otherwise it moves to the front first.
+* reflection/replication kernels take ``[N, C, *spatial]`` or ``[C, *spatial]`` and pad every
+  plane on its own: the batch folds into ``N`` or serves as ``N`` (``spatial.fold_into_n_rule``);
+  any other logical rank is declined so the loop fallback raises PyTorch's error.
 """
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import torch
 
 from ..helpers import logical_rank, move_bdim_to_front
 from ..registry import register_batch_rule
+from .spatial import fold_into_n_rule
 
 aten = torch.ops.aten
 
@@ -24,3 +31,13 @@ def constant_pad_nd_rule(info, in_dims, x, pad, value=0):
     if b < x.dim() - padded_dims:
         return aten.constant_pad_nd.default(x, pad, value), b
     return aten.constant_pad_nd.default(move_bdim_to_front(x, b), pad, value), 0
+
+
+# Reflection and replication padding (and their backward ops) accept ``[N, C, *spatial]`` or
+# ``[C, *spatial]`` and pad each plane on its own: the batch folds into N (or serves as N).
+for _kind in ("reflection", "replication"):
+    for _spatial in (1, 2, 3):
+        for _suffix in ("", "_backward"):
+            _op = getattr(aten, f"{_kind}_pad{_spatial}d{_suffix}").default
+            register_batch_rule(_op, fold_into_n_rule(_op, (_spatial + 1, _spatial + 2)),
+                                family="padding")

@@ -34,15 +34,22 @@ def _tensor_positions(op):
             if a.type.isSubtypeOf(torch._C.TensorType.get()) and not a.kwarg_only]
 
 
-def fold_into_n_rule(op, ranks, *, size_arg: Optional[int] = None, family: str = "spatial"):
+def _times_batch(size, B):
+    size = list(size)
+    return [B * size[0]] + size[1:]
+
+
+def fold_into_n_rule(op, ranks, *, size_arg: Optional[str] = None):
     """A rule for ``op`` whose tensor arguments all share one logical rank, out of ``ranks``
     (``(r,)`` or ``(r - 1, r)``, the larger one meaning "has its own batch dim ``N``").
 
-    ``size_arg`` names a positional ``int[]`` argument that spells the full input shape
-    ``[N, C, ...]`` (the upsample backward ops): its ``N`` is multiplied by the batch size.
+    ``size_arg`` names an ``int[]`` argument that spells the full input shape ``[N, C, ...]``
+    (``input_size`` of the upsample backward ops): its ``N`` is multiplied by the batch size.
     """
     tensor_pos = _tensor_positions(op)
     full_rank = max(ranks)
+    names = [a.name for a in op._schema.arguments]
+    size_pos = None if size_arg is None else names.index(size_arg)
 
     def rule(info, in_dims, *args, **kwargs):
         B = info.batch_size
@@ -61,11 +68,13 @@ def fold_into_n_rule(op, ranks, *, size_arg: Optional[int] = None, family: str =
         if len(ns) > 1:  # mismatched N: let the fallback raise PyTorch's error
             raise Decline()
         n = ns.pop() if ns else None
-        if size_arg is not None:
-            if not has_n or size_arg >= len(args):
+        if size_pos is not None:
+            if not has_n:
                 raise Decline()
-            size = list(args[size_arg])
-            new[size_arg] = [B * size[0]] + size[1:]
+            if size_pos < len(args):
+                new[size_pos] = _times_batch(args[size_pos], B)
+            else:
+                kwargs = dict(kwargs, **{size_arg: _times_batch(kwargs[size_arg], B)})
         out = op(*new, **kwargs)
 
         def split(o):
@@ -77,18 +86,17 @@ def fold_into_n_rule(op, ranks, *, size_arg: Optional[int] = None, family: str =
             return tuple(o for o, _ in pairs), tuple(d for _, d in pairs)
         return split(out)
     rule.__name__ = f"fold_into_n_rule[{op}]"
-    register_batch_rule(op, rule, family=family)
     return rule
 
 
-# im2col: [N, C, H, W] or [C, H, W] -> [N, C*k, L] or [C*k, L]; col2im the other way round.
-fold_into_n_rule(aten.im2col.default, (3, 4))
-fold_into_n_rule(aten.col2im.default, (2, 3))
-# The grid sampler needs N; its backward returns (grad_input or None, grad_grid or None).
-fold_into_n_rule(aten.grid_sampler_2d_backward.default, (4,))
-fold_into_n_rule(aten.grid_sampler_3d_backward.default, (5,))
-# channel_shuffle shuffles dim 1 of an input with more than two dims.
-fold_into_n_rule(aten.channel_shuffle.default, tuple(range(3, 9)))
+for _op, _ranks in (
+        # im2col: [N, C, H, W] or [C, H, W] -> [N, C*k, L] or [C*k, L]; col2im the reverse.
+        (aten.im2col.default, (3, 4)), (aten.col2im.default, (2, 3)),
+        # The grid sampler needs N; its backward returns (grad_input or None, grad_grid or None).
+        (aten.grid_sampler_2d_backward.default, (4,)),
+        (aten.grid_sampler_3d_backward.default, (5,))):
+    register_batch_rule(_op, fold_into_n_rule(_op, _ranks))
+
 _fold_grid_sampler = {op: fold_into_n_rule(op, (rank,))
                       for op, rank in ((aten.grid_sampler_2d.default, 4),
                                        (aten.grid_sampler_3d.default, 5))}
@@ -106,26 +114,22 @@ def _grid_sampler_rule(op, rank):
         if xb is None:
             # grid [B, N, D_out, ...] -> [N, B*D_out, ...]; output [N, C, B*D_out, ...]
             G = move_bdim_to_front(grid, gb).movedim(0, 1)
-            G = G.reshape(G.shape[0], B * G.shape[2], *G.shape[3:])
+            d_out = G.shape[2]
+            G = G.reshape(G.shape[0], B * d_out, *G.shape[3:])
             out = op(x, G, interpolation_mode, padding_mode, align_corners)
-            return out.unflatten(2, (B, out.shape[2] // B)), 2
+            return out.unflatten(2, (B, d_out)), 2
         # input [B, N, C, ...] -> [N, B*C, ...]; output [N, B*C, *out_spatial]
         X = move_bdim_to_front(x, xb).movedim(0, 1)
-        X = X.reshape(X.shape[0], B * X.shape[2], *X.shape[3:])
+        c = X.shape[2]
+        X = X.reshape(X.shape[0], B * c, *X.shape[3:])
         out = op(X, grid, interpolation_mode, padding_mode, align_corners)
-        return out.unflatten(1, (B, out.shape[1] // B)), 1
+        return out.unflatten(1, (B, c)), 1
     rule.__name__ = f"grid_sampler_rule[{op}]"
     return rule
 
 
 for _op, _rank in ((aten.grid_sampler_2d.default, 4), (aten.grid_sampler_3d.default, 5)):
     register_batch_rule(_op, _grid_sampler_rule(_op, _rank))
-
-
-@register_batch_rule([aten.pixel_shuffle.default, aten.pixel_unshuffle.default])
-def pixel_shuffle_rule(info, in_dims, x, factor):
-    # The op is looked up from the physical call below, so one rule serves both.
-    raise NotImplementedError  # replaced right below (kept for the registry's family name)
 
 
 def _leading_dims_rule(op):
@@ -139,3 +143,13 @@ def _leading_dims_rule(op):
 
 for _op in (aten.pixel_shuffle.default, aten.pixel_unshuffle.default):
     register_batch_rule(_op, _leading_dims_rule(_op))
+
+
+@register_batch_rule(aten.channel_shuffle.default)
+def channel_shuffle_rule(info, in_dims, x, groups):
+    """channel_shuffle permutes dim 1 of an ``[N, C, *]`` input (more than two dims)."""
+    if logical_rank(x, in_dims[0]) < 3:
+        raise Decline()
+    X = move_bdim_to_front(x, in_dims[0])
+    out = aten.channel_shuffle.default(X.flatten(0, 1), groups)
+    return out.unflatten(0, X.shape[:2]), 0

@@ -47,3 +47,34 @@ def test_gradients_strict(name):
     with ft.config.strict_fallback():
         per_example = ft.vmap(ft.grad(lambda a: call(a).pow(2).sum()))(x.detach())
     assert_same(per_example, exp)
+
+
+UNPOOL = {  # name -> (pool, unpool, input with N)
+    "1d": (F.max_pool1d, F.max_unpool1d, X4.flatten(-2)),
+    "2d": (F.max_pool2d, F.max_unpool2d, X4),
+    "3d": (F.max_pool3d, F.max_unpool3d, X5),
+}
+
+
+@pytest.mark.parametrize("name", list(UNPOOL))
+@pytest.mark.parametrize("has_n", [True, False], ids=["N", "no-N"])
+def test_max_unpool(name, has_n):
+    # Indices come from pooling ``x`` (unique per plane: with duplicate indices PyTorch's own
+    # kernel result depends on its threading), values from an independently batched ``v``.
+    pool, unpool, x = UNPOOL[name]
+    x = x if has_n else x[0]
+    v = torch.randn(pool(x, 2).shape, generator=g)
+    bigger = [d + 1 for d in x.shape[-int(name[0]):]]  # allowed: below default size + stride
+    for size in (None, bigger):
+        f = lambda a, b: unpool(b, pool(a, 2, return_indices=True)[1], 2, output_size=size)
+        check_vmap_all_bdims(f, [x, v], nested=size is None)
+
+
+@pytest.mark.parametrize("name", list(UNPOOL))
+def test_max_unpool_gradients_strict(name):
+    pool, unpool, x = UNPOOL[name]
+    xs = torch.stack([x + 0.1 * i for i in range(3)])
+    f = lambda a: unpool(*pool(a, 2, return_indices=True), 2).pow(2).sum()
+    with ft.config.strict_fallback():
+        got = ft.vmap(ft.grad(f))(xs)
+    assert_same(got, torch.func.vmap(torch.func.grad(f))(xs))
