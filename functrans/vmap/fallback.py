@@ -78,9 +78,11 @@ def loop_fallback(op, level, in_dims, *vals, **kwargs):
     """Run ``op`` per example; called like a rule (``rule(level, in_dims, *vals, **kwargs)``)."""
     if op.overloadpacket.__name__ in STORAGE_DEPENDENT:
         raise UnsupportedUnderVmap(
-            f"vmap: {op} addresses memory by absolute storage offsets and strides, which has no "
-            "per-example meaning for a batched tensor, and there is no batching rule for it. "
-            "Express the view with view/reshape/select/slice/unfold/diagonal instead.")
+            f"vmap: {op} addresses memory by absolute storage offsets and strides, which has a "
+            "per-example meaning only when each example owns an equal block of its storage "
+            "(a fresh tensor with the batch dim first), and that is not the case here. Express "
+            "the view with view/reshape/select/slice/unfold/diagonal instead, or call "
+            ".contiguous() on a tensor with in_dims=0 first.")
     if config.is_strict():
         raise _fallback_error(op)
     from .randomness import draws_random

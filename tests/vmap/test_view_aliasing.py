@@ -105,3 +105,38 @@ def test_copied_view_write_raises_under_nested_vmap():
     x = torch.randn(2, 3, 5, 4)
     with pytest.raises(UnsupportedUnderVmap, match="had to be a copy"):
         ft.vmap(ft.vmap(_pointwise_then_view_write, in_dims=1))(x)
+
+
+def _slice_writes(x):
+    y = x.clone()
+    y[1:3] = y[1:3] * 2          # autograd's gradient for this uses new_empty_strided + as_strided
+    y[0].mul_(3)
+    return y
+
+
+def test_vmap_of_vjp_through_in_place_slice_writes():
+    x = torch.randn(5)
+    _, vjp_fn = ft.vjp(_slice_writes, x)
+    cts = torch.randn(4, 5)
+    with ft.config.strict_fallback():
+        got, = ft.vmap(vjp_fn)(cts)
+    expected = torch.stack([torch.autograd.grad(_slice_writes(x.requires_grad_()), x, c)[0]
+                            for c in cts])
+    assert_same(got, expected)
+    assert_same(ft.vmap(ft.grad(lambda a: (_slice_writes(a) ** 2).sum()))(cts),
+                torch.func.vmap(torch.func.grad(lambda a: (_slice_writes(a) ** 2).sum()))(cts))
+
+
+def test_as_strided_on_examples_that_own_their_memory():
+    x = torch.randn(3, 6)
+    f = lambda a: a.as_strided((2, 2), (3, 1), 1)
+    with ft.config.strict_fallback():
+        got = ft.vmap(f)(x)
+    assert_same(got, torch.stack([f(a.clone()) for a in x]))   # each example a fresh tensor
+
+
+@pytest.mark.parametrize("make", [lambda x: x.t(), lambda x: x[:, 1:]])
+def test_as_strided_refuses_shared_or_interleaved_memory(make):
+    x = make(torch.randn(6, 6))   # examples interleaved / not starting their own storage
+    with pytest.raises(UnsupportedUnderVmap, match="owns an equal block of its storage"):
+        ft.vmap(lambda a: a.as_strided((2,), (1,), 0))(x)

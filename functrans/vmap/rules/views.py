@@ -15,8 +15,13 @@ Invariants:
   are checked on a meta tensor of the logical shape first, which raises eager PyTorch's own error
   (see ``_check_logical``).
 
-``as_strided`` is left to the loop fallback: its storage offset is absolute, so what it means
-for one example of a batch depends on where that example lives in the physical storage.
+``as_strided`` addresses storage by absolute offsets, so it only has a per-example meaning when
+each example owns its own block of the storage exactly as a fresh eager tensor would: the
+physical tensor tiles its whole storage, one block of ``stride(bdim)`` elements per example,
+starting at offset 0 (what autograd's ``new_empty_strided`` + ``as_strided`` gradient of an
+in-place slice write produces).  Then every example's window is the same window of its own
+block.  Any other layout is refused with an explanation (never looped: a loop would read the
+wrong example's memory).
 
 ``view`` aliases whenever one example's view exists, and copies otherwise: see Note [view after
 moving the bdim] in ``vmap/copied_views.py``, which also guards in-place writes into such copies.
@@ -418,3 +423,22 @@ def block_diag_rule(info, in_dims, tensors):
                                t.new_zeros((B, h, cols - c - w), dtype=dtype)], 2))
         c += w
     return torch.cat(rows, 1), 0
+
+
+@register_batch_rule(aten.as_strided.default)
+def as_strided_rule(info, in_dims, x, size, stride, storage_offset=None):
+    """See the module docstring: only for examples that own equal blocks of the storage."""
+    b = in_dims[0]
+    offset = 0 if storage_offset is None else storage_offset
+    if type(x) is BatchedTensor or x.storage_offset() != 0:
+        raise Decline()
+    block = x.stride(b)
+    owns_storage = x.untyped_storage().nbytes() == x.shape[b] * block * x.element_size()
+    shape, strides = list(x.shape), list(x.stride())
+    del shape[b], strides[b]
+    example_extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides) if n > 0)
+    window_end = offset + sum((n - 1) * st for n, st in zip(size, stride) if n > 0)
+    if not owns_storage or example_extent > block or offset < 0 or \
+            (0 not in size and window_end >= block):
+        raise Decline()
+    return x.as_strided((x.shape[b], *size), (block, *stride), offset), 0
