@@ -74,6 +74,11 @@ STORAGE_DEPENDENT = {"as_strided", "as_strided_", "as_strided_copy", "as_strided
                      "set_", "_reshape_alias", "_reshape_alias_copy"}
 
 
+# Kernels that read some tensor arguments as if contiguous, ignoring their strides (found for
+# mkldnn_rnn_layer): a slice of a batch is rarely contiguous, so they get contiguous copies.
+STRIDE_BLIND = {"mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"}
+
+
 def loop_fallback(op, level, in_dims, *vals, **kwargs):
     """Run ``op`` per example; called like a rule (``rule(level, in_dims, *vals, **kwargs)``)."""
     if op.overloadpacket.__name__ in STORAGE_DEPENDENT:
@@ -117,8 +122,11 @@ def loop_fallback(op, level, in_dims, *vals, **kwargs):
             kw_vals.append(v)
             kw_dims.append(None)
     outs = []
+    blind = op.overloadpacket.__name__ in STRIDE_BLIND
     for i in range(size):
         a_i = [_slice(a, d, i) for a, d in zip(vals, in_dims)]
+        if blind:
+            a_i = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in a_i]
         k_i = {k: _slice(v, d, i) for (k, _), v, d in zip(kw_items, kw_vals, kw_dims)}
         outs.append(op(*a_i, **k_i))
 
