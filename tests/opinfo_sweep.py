@@ -255,7 +255,7 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}"[:300]
 
 
-_MISSING_RULE = re.compile(r"no batching rule for (\S+?),")
+_MISSING_RULE = re.compile(r"batching rule for (\S+?)(?:,| declined)")
 _TORCH_SLOW = re.compile(r"batching rule for (\S+?)\.? ")
 
 

@@ -307,7 +307,8 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
         except registry.Decline:
             from .fallback import loop_fallback
             with autograd_on_physical_values() if track else contextlib.nullcontext():
-                out, out_dims = loop_fallback(op, level, in_dims, *vals, **kwargs)
+                out, out_dims = loop_fallback(op, level, in_dims, *vals, _declined=True,
+                                              **kwargs)
     except Exception as e:
         if not isinstance(e, (UnsupportedUnderVmap, EscapedBatchedTensorError)):
             e.add_note(f"(functrans: while batching {op} with in_dims={tuple(in_dims)}, "

@@ -47,9 +47,11 @@ def _stack(outs: List[Any], op):
         "Python values inside vmap; keep the computation in tensors (e.g. torch.where).")
 
 
-def _fallback_error(op) -> UnsupportedUnderVmap:
+def _fallback_error(op, declined: bool = False) -> UnsupportedUnderVmap:
+    what = f"the batching rule for {op} declined these arguments" if declined else \
+        f"there is no batching rule for {op}"
     return UnsupportedUnderVmap(
-        f"vmap: there is no batching rule for {op}, and the loop fallback is disabled "
+        f"vmap: {what}, and the loop fallback is disabled "
         f"(functrans.config.strict_fallback). A rule for it belongs in {rules_file(op)}.")
 
 
@@ -79,7 +81,7 @@ STORAGE_DEPENDENT = {"as_strided", "as_strided_", "as_strided_copy", "as_strided
 STRIDE_BLIND = {"mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"}
 
 
-def loop_fallback(op, level, in_dims, *vals, **kwargs):
+def loop_fallback(op, level, in_dims, *vals, _declined: bool = False, **kwargs):
     """Run ``op`` per example; called like a rule (``rule(level, in_dims, *vals, **kwargs)``)."""
     if op.overloadpacket.__name__ in STORAGE_DEPENDENT:
         raise UnsupportedUnderVmap(
@@ -89,7 +91,7 @@ def loop_fallback(op, level, in_dims, *vals, **kwargs):
             "the view with view/reshape/select/slice/unfold/diagonal instead, or call "
             ".contiguous() on a tensor with in_dims=0 first.")
     if config.is_strict():
-        raise _fallback_error(op)
+        raise _fallback_error(op, _declined)
     from .randomness import draws_random
     if level.randomness == "same" and draws_random(op, vals, kwargs):
         raise UnsupportedUnderVmap(
@@ -102,8 +104,10 @@ def loop_fallback(op, level, in_dims, *vals, **kwargs):
         why = reason(op)
         where = f"no batching rule on purpose: {why}" if why else \
             f"a rule for it belongs in {rules_file(op)}"
+        what = f"the batching rule for {op} does not handle these arguments" if _declined \
+            else f"no batching rule for {op}"
         warnings.warn(
-            f"vmap: no batching rule for {op}; running a per-example loop over the batch, "
+            f"vmap: {what}; running a per-example loop over the batch, "
             f"which is correct but slow ({where}).", PerformanceWarning,
             stacklevel=_user_stacklevel())
     start = time.perf_counter() if observers else 0.0

@@ -116,3 +116,14 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", functrans.PerformanceWarning)
         yield
+
+
+def test_declined_rule_says_so_in_warning_and_strict_error():
+    from functrans.vmap import fallback
+    f = torch.ops.functrans_test.front_only
+    fallback._warned.discard(f.default)
+    with pytest.warns(functrans.PerformanceWarning, match="rule for .*front_only.* does not handle"):
+        vmap(f, in_dims=1)(torch.randn(4, 3))
+    with functrans.config.strict_fallback(), pytest.raises(
+            functrans.UnsupportedUnderVmap, match="front_only.default declined these arguments"):
+        vmap(f, in_dims=1)(torch.randn(4, 3))
