@@ -99,7 +99,7 @@ def _clone_tree(out):
 
 
 def _copy_rule(op, base, base_rule):
-    def rule(info, in_dims, *args, **kwargs):
+    def rule(info, in_dims, /, *args, **kwargs):
         out, dims = base_rule(info, in_dims, *args, **kwargs)
         return _clone_tree(out), dims
     return rule
@@ -125,7 +125,7 @@ def _write(op, info, results, result_dims, targets, target_dims) -> None:
 
 
 def _inplace_rule(op, base, base_rule):
-    def rule(info, in_dims, *args, **kwargs):
+    def rule(info, in_dims, /, *args, **kwargs):
         from .registry import Decline
         if in_dims[0] is None:
             raise Decline()
@@ -138,7 +138,8 @@ def _inplace_rule(op, base, base_rule):
 def _out_rule(op, base, base_rule):
     names = [a.name for a in op._schema.arguments if _is_written(a)]
 
-    def rule(info, in_dims, *args, _kw_dims, **kwargs):
+    # (info, in_dims positional-only: ``info=`` is also an out argument of linalg_inv_ex.inverse)
+    def rule(info, in_dims, /, *args, _kw_dims, **kwargs):
         from .registry import Decline
         targets = [kwargs.pop(n) for n in names]
         dims = [_kw_dims.get(n) for n in names]

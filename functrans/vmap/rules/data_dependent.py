@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import UnsupportedUnderVmap
-from ..registry import Decline, register_batch_rule, register_tag_rule
+from ..registry import register_batch_rule, register_tag_rule
 
 aten = torch.ops.aten
 
@@ -28,33 +28,29 @@ def local_scalar_dense_rule(info, in_dims, x):
         "torch.where(cond, a, b) (compute both sides), or move the control flow outside vmap.")
 
 
-# Ops tagged dynamic_output_shape only because of boolean masks: with integer indices their
-# output shape is static, so they are batched (by a rule, or the loop fallback).
-_BOOL_MASK_ONLY = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_"}
+# Ops tagged dynamic_output_shape only because of boolean masks: indexing.py batches them
+# (integer indices, unbatched masks, fixed-shape mask writes) and raises dynamic_shape_error
+# itself for a batched mask, so the tag rule leaves them to indexing.py's and derived rules.
+_INDEXING_OWNS = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl",
+                  "_index_put_impl_", "_unsafe_index_put"}
 
 
-def _has_bool_index(args) -> bool:
-    for a in args:
-        items = a if isinstance(a, (list, tuple)) else [a]
-        for t in items:
-            if isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8):
-                return True
-    return False
+def dynamic_shape_error(op) -> UnsupportedUnderVmap:
+    return UnsupportedUnderVmap(
+        f"vmap: {op} returns a tensor whose shape depends on the values of its input, so "
+        "the per-example results could have different shapes and cannot be stacked into one "
+        "batched tensor. Use a fixed-shape formulation instead: torch.where(mask, x, 0) "
+        "instead of x[mask] / masked_select, a mask multiplied in instead of nonzero(), "
+        "or pad to a known size (e.g. nonzero_static / torch.unique(..., sorted) outside "
+        "vmap).")
 
 
 def _dynamic_shape_rule_for(op):
-    bool_mask_only = op.overloadpacket.__name__ in _BOOL_MASK_ONLY
+    if op.overloadpacket.__name__ in _INDEXING_OWNS:
+        return None
 
     def rule(info, in_dims, *args, **kwargs):
-        if bool_mask_only and not _has_bool_index(args[1:]):
-            raise Decline()
-        raise UnsupportedUnderVmap(
-            f"vmap: {op} returns a tensor whose shape depends on the values of its input, so "
-            "the per-example results could have different shapes and cannot be stacked into one "
-            "batched tensor. Use a fixed-shape formulation instead: torch.where(mask, x, 0) "
-            "instead of x[mask] / masked_select, a mask multiplied in instead of nonzero(), "
-            "or pad to a known size (e.g. nonzero_static / torch.unique(..., sorted) outside "
-            "vmap).")
+        raise dynamic_shape_error(op)
     rule.__name__ = f"dynamic_shape_error[{op}]"
     return rule
 

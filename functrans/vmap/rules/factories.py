@@ -137,3 +137,20 @@ def _space_rule(base_arg: bool):
 for _name in ("Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor"):
     register_batch_rule(getattr(torch.ops.aten.linspace, _name), _space_rule(False))
     register_batch_rule(getattr(torch.ops.aten.logspace, _name), _space_rule(True))
+
+
+@register_batch_rule(torch.ops.aten._new_zeros_with_same_feature_meta.default)
+def new_zeros_with_same_feature_meta_rule(info, in_dims, self, other, *,
+                                          self_num_batch_dims=0):
+    """Forward AD's tangent buffer: zeros shaped like ``self``'s leading dims + ``other``'s
+    (feature) dims, laid out like ``other``.  The vmap batch is one more leading batch dim of
+    ``self``; a batched ``other`` carries its batch inside its own layout."""
+    from ..helpers import ensure_bdim_front
+    from ..registry import Decline
+    op = torch.ops.aten._new_zeros_with_same_feature_meta.default
+    if in_dims[1] is not None:
+        if self_num_batch_dims:
+            raise Decline()
+        return op(self, other), in_dims[1]
+    front = ensure_bdim_front(self, in_dims[0], info.batch_size)
+    return op(front, other, self_num_batch_dims=self_num_batch_dims + 1), 0

@@ -171,3 +171,21 @@ def test_factories_under_autograd():
     with functrans.config.strict_fallback():
         grad, = torch.autograd.grad(vmap(f)(x).sum(), x)
     assert_same(grad, torch.full((3, 4), 3.0))
+
+
+def test_new_zeros_with_same_feature_meta_under_vmap_of_jvp():
+    # forward AD allocates tangents with it when a primal's layout is unusual (LAPACK's
+    # column-major inverse, then a view)
+    A = torch.randn(3, 4, 4) + 4 * torch.eye(4)
+    T = torch.randn(3, 4, 4)
+    f = lambda a, t: functrans.jvp(lambda x: torch.linalg.inv(x).mT.reshape(2, 8), (a,), (t,))
+    with functrans.config.strict_fallback():
+        got = functrans.vmap(f)(A, T)
+    ref = torch.func.vmap(lambda a, t: torch.func.jvp(
+        lambda x: torch.linalg.inv(x).mT.reshape(2, 8), (a,), (t,)))(A, T)
+    assert_same(got, ref, rtol=1e-5, atol=1e-5)
+    for bdims in ((0, None), (None, 0)):
+        other = torch.randn(2, 5)
+        op = torch.ops.aten._new_zeros_with_same_feature_meta.default
+        g = lambda s, o: op(s, o, self_num_batch_dims=1)
+        check_vmap(g, [torch.randn(6, 2, 5), other], bdims, strict=bdims[1] is None)

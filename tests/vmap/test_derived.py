@@ -1,0 +1,81 @@
+"""Rules derived from functional rules (vmap/derived.py): *_copy, in-place and out= variants,
+against the loop oracle, strict (a pass proves the derived rule ran)."""
+import pytest
+import torch
+
+import functrans as ft
+from functrans.vmap import derived, registry
+from tests.oracles import assert_same, check_vmap_all_bdims, loop_oracle
+
+aten = torch.ops.aten
+X = torch.randn(3, 4, 5)
+
+
+@pytest.mark.parametrize("op, kind, base", [
+    (aten.permute_copy.default, "copy", aten.permute.default),
+    (aten.abs_.default, "inplace", aten.abs.default),
+    (aten.index_add_.default, "inplace", aten.index_add.default),
+    (aten.add.out, "out", aten.add.Tensor),
+    (aten.sort.values, "out", aten.sort.default),
+    (aten.linalg_inv_ex.inverse, "out", aten.linalg_inv_ex.default),
+    (aten.add.Tensor, "", None),
+])
+def test_counterparts_are_found_by_schema(op, kind, base):
+    assert derived.counterpart(op) == (kind, base)
+
+
+def test_copy_variants():
+    check_vmap_all_bdims(lambda a: torch.permute_copy(a, (1, 0)), [X[0]])
+    check_vmap_all_bdims(lambda a: torch.transpose_copy(a, 0, 1), [X[0]])
+    check_vmap_all_bdims(lambda a: torch.unsqueeze_copy(a, 1), [X[0]])
+    out = ft.vmap(lambda a: torch.view_copy(a, (20,)))(X)
+    assert out.untyped_storage().data_ptr() != X.untyped_storage().data_ptr()  # a copy
+
+
+def test_in_place_variants_write_into_self_and_return_it():
+    def f(a, s):
+        y = a.clone() + 0 * s.sum()  # batched whenever either input is
+        ret = y.cumsum_(0).index_add_(1, torch.tensor([0, 2]), s)
+        assert ret is y
+        return y
+    check_vmap_all_bdims(f, [X[0], torch.randn(4, 2)])
+
+
+def test_in_place_result_that_cannot_be_cast_raises_like_eager():
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        ft.vmap(lambda a: torch.ones_like(a, dtype=torch.long).mul_(a))(X)
+
+
+def test_out_variants_write_and_return_the_out_tensors():
+    def f(a):
+        o = torch.empty_like(a)
+        assert torch.sin(a, out=o) is o
+        v, i = torch.empty_like(a), torch.empty_like(a, dtype=torch.long)
+        ret = torch.sort(a, -1, out=(v, i))
+        assert ret[0] is v and ret[1] is i
+        s = torch.sum(a, -1, out=torch.empty_like(a[..., 0]))
+        return o, v, i, s
+    with ft.config.strict_fallback():
+        got = ft.vmap(f, in_dims=1)(X)
+    assert_same(got, loop_oracle(f, (1,), 4, X))
+
+
+def test_out_named_info_does_not_collide_with_the_rule_signature():
+    A = torch.randn(3, 4, 4) + 4 * torch.eye(4)
+    f = lambda a: torch.linalg.inv_ex(
+        a, out=(torch.empty_like(a), torch.zeros_like(a[0, 0], dtype=torch.int32)))
+    with ft.config.strict_fallback():
+        got = ft.vmap(f)(A)
+    assert_same(got, loop_oracle(f, (0,), 3, A))
+
+
+def test_out_of_the_wrong_shape_declines_to_the_loop_which_resizes():
+    f = lambda a: torch.sin(a, out=torch.empty_like(a[0]).new_empty(0) + a.sum() * 0)
+    with pytest.raises(ft.UnsupportedUnderVmap, match="declined"), \
+            ft.config.strict_fallback():
+        ft.vmap(f)(X)
+
+
+def test_derived_rules_report_their_family():
+    assert registry.find_rule(aten.index_add_.default)[0] == "derived"
+    assert registry.rules_file(aten.index_add_.default).endswith("rules/indexing.py")
