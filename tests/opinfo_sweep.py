@@ -73,9 +73,6 @@ XFAILS: Dict[str, str] = {
     "as_strided": _AS_STRIDED,
     "as_strided_copy": _AS_STRIDED,
     "as_strided.partial_views": _AS_STRIDED,
-    "_native_batch_norm_legit": (
-        "the dispatcher's in-place check refuses a batched weight with unbatched input and "
-        "running_var, although running_var's update depends only on the (unbatched) input"),
 }
 
 # Ops skipped whole, with the reason (counted in the report, never silently).

@@ -124,14 +124,17 @@ def _batched_any(dims) -> bool:
     return any(d is not None for d in dims)
 
 
+def _check_copied_views(op, meta: _OpMeta, args, kwargs) -> None:
+    for i in meta.mutable_pos:
+        if i < len(args) and isinstance(args[i], torch.Tensor):
+            copied_views.check_write(op, args[i])
+    for name in meta.mutable_kw:
+        if isinstance(kwargs.get(name), torch.Tensor):
+            copied_views.check_write(op, kwargs[name])
+
+
 def _check_inplace(op, meta: _OpMeta, args, in_dims, kwargs, level) -> None:
-    if copied_views._copies:
-        for i in meta.mutable_pos:
-            if i < len(args) and isinstance(args[i], torch.Tensor):
-                copied_views.check_write(op, args[i])
-        for name in meta.mutable_kw:
-            if isinstance(kwargs.get(name), torch.Tensor):
-                copied_views.check_write(op, kwargs[name])
+    """Refuse a write of batched values into an unbatched tensor (see _inplace_error)."""
     for i in meta.mutable_pos:
         if i < len(args) and in_dims[i] is None and isinstance(args[i], torch.Tensor):
             if any(_batched_any(d) for j, d in enumerate(in_dims) if j != i) or any(
@@ -269,9 +272,17 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
                 return op(*vals, **kwargs)
         return op(*vals, **kwargs)
 
+    # A rule registered with checks_inplace=True decides itself which writes into unbatched
+    # tensors are possible (batch norm's running stats: none in eval mode, one shared update
+    # for an unbatched input); the fallback still gets the generic check.
+    rule_checks = meta.rule is not None and not kw_batched and \
+        getattr(meta.rule, "checks_inplace", False)
     if meta.checked:
         if meta.mutable_pos or meta.mutable_kw:
-            _check_inplace(op, meta, vals, in_dims, kwargs, level)
+            if copied_views._copies:
+                _check_copied_views(op, meta, vals, kwargs)
+            if not rule_checks:
+                _check_inplace(op, meta, vals, in_dims, kwargs, level)
         if meta.random and level.randomness == "error":
             from .randomness import draws_random, random_error
             if draws_random(op, args, kwargs):
@@ -306,6 +317,8 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
                 out, out_dims = rule(level, in_dims, *vals, **call_kwargs)
         except registry.Decline:
             from .fallback import loop_fallback
+            if rule_checks:
+                _check_inplace(op, meta, vals, in_dims, kwargs, level)
             with autograd_on_physical_values() if track else contextlib.nullcontext():
                 out, out_dims = loop_fallback(op, level, in_dims, *vals, _declined=True,
                                               **kwargs)

@@ -51,11 +51,14 @@ def _family_of_rule(fn: Callable) -> str:
     return getattr(fn, "__module__", "?").rsplit(".", 1)[-1]
 
 
-def register_batch_rule(ops, rule: Optional[Rule] = None, *, family: Optional[str] = None):
+def register_batch_rule(ops, rule: Optional[Rule] = None, *, family: Optional[str] = None,
+                        checks_inplace: bool = False):
     """Register ``rule`` for one op or several (``OpOverload`` or ``OpOverloadPacket``).
 
     Usable as a decorator (``@register_batch_rule(aten.sum.dim_IntList)``) or called directly.
-    ``family`` defaults to the name of the module that defines the rule.
+    ``family`` defaults to the name of the module that defines the rule.  ``checks_inplace``:
+    the rule itself refuses (or handles) writes into unbatched mutable arguments, so the
+    dispatcher's generic refusal is skipped for it (not for the fallback after a Decline).
     """
     if isinstance(ops, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         ops = [ops]
@@ -63,6 +66,8 @@ def register_batch_rule(ops, rule: Optional[Rule] = None, *, family: Optional[st
 
     def register(fn: Rule) -> Rule:
         fam = family or _family_of_rule(fn)
+        if checks_inplace:
+            fn.checks_inplace = True
         for op in ops:
             if isinstance(op, torch._ops.OpOverloadPacket):
                 _packet_rules[op] = fn

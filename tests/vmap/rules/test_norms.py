@@ -1,0 +1,316 @@
+"""Normalisation rules (layer / group / batch / instance norm, forward and backward) vs the
+loop oracle (every in_dims choice, vmap∘vmap, strict), running-stat updates under vmap, and
+per-sample gradients of small networks vs torch.func."""
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import functrans as ft
+from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims, make_batch
+
+aten = torch.ops.aten
+g = torch.Generator().manual_seed(0)
+X = torch.randn(4, 6, 5, generator=g)          # [N, C, L]
+X4 = torch.randn(2, 6, 3, 4, generator=g)      # [N, C, H, W]
+W = torch.randn(6, generator=g)
+BIAS = torch.randn(6, generator=g)
+RM = torch.randn(6, generator=g)
+RV = torch.rand(6, generator=g) + 0.5
+EPS = 1e-5
+
+
+def _defined(outs):
+    """The outputs a backward op computed (vmap cannot return None)."""
+    return tuple(o for o in outs if o is not None)
+
+
+def _pairs(n_free, n_batched):
+    """in_dims with ``n_free`` tensors in {0, -1, None} then ``n_batched`` always batched."""
+    for free in itertools.product((0, -1, None), repeat=n_free):
+        for fixed in itertools.product((0, -1), repeat=n_batched):
+            yield free + fixed
+
+
+# ----------------------------------------------------------------------------- layer norm
+
+@pytest.mark.parametrize("shape", [(5,), (6, 5)])
+def test_layer_norm_affine(shape):
+    w, b = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    check_vmap_all_bdims(lambda x, w, b: F.layer_norm(x, shape, w, b), [X, w, b])
+
+
+def test_layer_norm_plain_and_native_outputs():
+    check_vmap_all_bdims(lambda x: F.layer_norm(x, (5,)), [X])
+    check_vmap_all_bdims(lambda x, w: aten.native_layer_norm(x, [6, 5], None, w, EPS),
+                         [X, torch.randn(6, 5, generator=g)])
+
+
+@pytest.mark.parametrize("mask", [[True, True, True], [True, False, False],
+                                  [False, True, True]])
+def test_native_layer_norm_backward(mask):
+    w, b = W[:5], BIAS[:5]
+
+    def f(grad, x, w):
+        _, mean, rstd = aten.native_layer_norm(x, [5], w, b, EPS)
+        return _defined(aten.native_layer_norm_backward(grad, x, [5], mean, rstd, w, b, mask))
+    check_vmap_all_bdims(f, [torch.randn_like(X), X, w])
+
+
+def test_layer_norm_vjp_batched_bias():
+    def f(x, b, ct):
+        return ft.vjp(lambda x, b: F.layer_norm(x, (5,), W[:5], b), x, b)[1](ct)
+    check_vmap_all_bdims(f, [X, BIAS[:5], torch.randn_like(X)], nested=False)
+
+
+# ----------------------------------------------------------------------------- group norm
+
+@pytest.mark.parametrize("x", [X, X4, X[:, :, 0]], ids=["3d", "4d", "2d"])
+def test_group_norm(x):
+    check_vmap_all_bdims(lambda x, w, b: F.group_norm(x, 3, w, b), [x, W, BIAS])
+
+
+def test_native_group_norm_outputs():
+    def f(x, w):  # .contiguous(): the kernel's contract (see the next test)
+        return aten.native_group_norm(x.contiguous(), w.contiguous(), None, 2, 6, 12, 2, EPS)
+    check_vmap_all_bdims(f, [X4, W])
+
+
+def test_native_group_norm_noncontiguous_operands_match_eager():
+    # The eager kernels read weight/bias/grad as contiguous memory; the rule declines
+    # non-contiguous ones, so the result is exactly the per-example eager one.
+    f = lambda x, w: aten.native_group_norm(x, w, None, 4, 6, 5, 3, EPS)  # noqa: E731
+    check_vmap(f, [X, W], (0, -1), strict=False)
+
+    def bwd(grad, x):
+        _, mean, rstd = aten.native_group_norm(x, W, None, 4, 6, 5, 3, EPS)
+        return aten.native_group_norm_backward(grad, x, mean, rstd, W, 4, 6, 5, 3,
+                                               [True, True, True])
+    check_vmap(bwd, [torch.randn_like(X), X], (-1, 0), strict=False)
+
+
+@pytest.mark.parametrize("mask", [[True, True, True], [True, False, True]])
+def test_native_group_norm_backward(mask):
+    def f(grad, x, w):
+        grad, x, w = grad.contiguous(), x.contiguous(), w.contiguous()  # as autograd does
+        _, mean, rstd = aten.native_group_norm(x, w, None, 2, 6, 12, 3, EPS)
+        return _defined(aten.native_group_norm_backward(grad, x, mean, rstd, w, 2, 6, 12, 3,
+                                                        mask))
+    check_vmap_all_bdims(f, [torch.randn_like(X4), X4, W])
+
+
+# ----------------------------------------------------------------------------- batch norm
+
+@pytest.mark.parametrize("x", [X4, X[:, :, 0]], ids=["4d", "2d"])
+def test_batch_norm_training_without_running_stats(x):
+    check_vmap_all_bdims(lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+                         [x, W, BIAS], nested=x.dim() == 4)
+
+
+def test_batch_norm_eval():
+    check_vmap_all_bdims(lambda x, rm, rv: F.batch_norm(x, rm, rv, W, BIAS), [X, RM, RV])
+    check_vmap_all_bdims(lambda x, w, b: F.batch_norm(x, RM, RV, w, b), [X4, W, BIAS])
+
+
+def _bn_train(x, w, rm, rv):
+    rm, rv = rm.clone(), rv.clone()
+    out = F.batch_norm(x, rm, rv, w, BIAS, training=True, momentum=0.3)
+    return out, rm, rv
+
+
+def test_batch_norm_training_with_batched_running_stats():
+    for dims in _pairs(2, 2):
+        check_vmap(_bn_train, [X, W, RM, RV], dims)
+
+
+def test_batch_norm_training_updates_batched_buffers_in_place():
+    xs, rms, rvs = make_batch(X, 0, 3), make_batch(RM, 1, 3), make_batch(RV, 0, 3)
+    exp_m, exp_v = rms.clone(), rvs.clone()
+    expected = torch.stack([F.batch_norm(xs[i], exp_m[:, i], exp_v[i], training=True)
+                            for i in range(3)])
+    with ft.config.strict_fallback():
+        got = ft.vmap(lambda x, m, v: F.batch_norm(x, m, v, training=True),
+                      in_dims=(0, 1, 0))(xs, rms, rvs)
+    assert_same(got, expected)
+    assert_same(rms, exp_m)
+    assert_same(rvs, exp_v)
+
+
+def test_batch_norm_training_unbatched_buffers_batched_input_raises():
+    rm, rv = RM.clone(), RV.clone()
+    f = lambda x: F.batch_norm(x, rm, rv, W, BIAS, training=True)  # noqa: E731
+    with pytest.raises(ft.UnsupportedUnderVmap, match="native_batch_norm.*track_running_stats"):
+        ft.vmap(f)(make_batch(X, 0, 3))
+    assert_same(rm, RM)  # nothing was written
+    assert_same(rv, RV)
+
+
+def test_batch_norm_training_unbatched_input_updates_buffers_once():
+    rm, rv = RM.clone(), RV.clone()
+    ws = make_batch(W, 0, 3)
+    with ft.config.strict_fallback():
+        got = ft.vmap(lambda w: F.batch_norm(X, rm, rv, w, BIAS, training=True))(ws)
+    exp_m, exp_v = RM.clone(), RV.clone()
+    F.batch_norm(X, exp_m, exp_v, training=True)
+    assert_same(rm, exp_m)
+    assert_same(rv, exp_v)
+    assert_same(got, torch.stack([F.batch_norm(X, None, None, w, BIAS, training=True)
+                                  for w in ws]), rtol=1e-5, atol=1e-5)
+
+
+def test_instance_norm():
+    check_vmap_all_bdims(lambda x, w, b: F.instance_norm(x, weight=w, bias=b), [X4, W, BIAS])
+    check_vmap_all_bdims(lambda x, rm: F.instance_norm(x, rm, RV, use_input_stats=False),
+                         [X, RM])
+
+
+# Direct calls of every batch-norm entry point (what decompositions and export reach).
+def _legit(x, w, rm, rv):
+    rm, rv = rm.clone(), rv.clone()
+    return aten._native_batch_norm_legit(x, w, BIAS, rm, rv, True, 0.2, EPS), rm, rv
+
+
+def _with_update(x, w, rm, rv):
+    rm, rv = rm.clone(), rv.clone()
+    return aten._batch_norm_with_update(x, w, BIAS, rm, rv, 0.2, EPS), rm, rv
+
+
+def _legit_eval(x, w, rm, rv):
+    return aten._native_batch_norm_legit(x, w, BIAS, rm, rv, False, 0.2, EPS)
+
+
+@pytest.mark.parametrize("f", [_legit, _with_update, _legit_eval])
+def test_batch_norm_entry_points_with_mutable_stats(f):
+    for dims in _pairs(2, 2):
+        check_vmap(f, [X, W, RM, RV], dims)
+
+
+@pytest.mark.parametrize("f", [
+    lambda x, w, rm: aten._native_batch_norm_legit_no_training(x, w, BIAS, rm, RV, 0.1, EPS),
+    lambda x, w, rm: aten._native_batch_norm_legit_functional(x, w, BIAS, rm, RV, True, 0.1,
+                                                              EPS),
+    lambda x, w, rm: aten._batch_norm_with_update_functional(x, w, BIAS, rm, RV, 0.1, EPS),
+    lambda x, w, rm: aten._batch_norm_no_update(x, w, BIAS, rm, RV, 0.1, EPS),
+    lambda x, w, rm: aten.native_batch_norm(x, w, BIAS, rm, RV, False, 0.1, EPS),
+    lambda x, w, rm: aten._native_batch_norm_legit.no_stats(x, w, rm, True, 0.1, EPS),
+], ids=["no_training", "legit_functional", "with_update_functional", "no_update",
+        "native_eval", "legit_no_stats"])
+def test_batch_norm_functional_entry_points(f):
+    check_vmap_all_bdims(f, [X, W, RM], nested=False)
+
+
+@pytest.mark.parametrize("train, mask", [(True, [True, True, True]),
+                                         (False, [True, False, False])])
+def test_native_batch_norm_backward(train, mask):
+    def f(grad, x, w):
+        _, mean, invstd = aten.native_batch_norm(x, w, None, RM, RV, False, 0.1, EPS) \
+            if not train else aten.native_batch_norm(x, w, None, None, None, True, 0.1, EPS)
+        return _defined(aten.native_batch_norm_backward(grad, x, w, RM, RV, mean, invstd, train,
+                                                        EPS, mask))
+    check_vmap_all_bdims(f, [torch.randn_like(X4), X4, W])
+
+
+@pytest.mark.parametrize("update", [True, False])
+def test_batch_norm_backward(update):
+    def f(grad, x, w):
+        if update:
+            stats = (x.sum((0, 2)) + w) * 0  # batched whenever the forward is
+            _, mean, var, reserve = aten._batch_norm_with_update(
+                x, w, None, stats, stats + 1, 0.1, EPS)
+        else:
+            _, mean, var, reserve = aten._batch_norm_no_update(x, w, None, RM, RV, 0.1, EPS)
+        return aten.batch_norm_backward(grad, x, w, RM, RV, mean, var, update, EPS,
+                                        [True, True, True], reserve)
+    check_vmap_all_bdims(f, [torch.randn_like(X), X, W], nested=not update)
+
+
+# ----------------------------------------------------------------------------- gradients
+
+@pytest.mark.parametrize("norm", ["layer", "group", "batch", "instance"])
+def test_vmap_grad_strict_vs_loop(norm):
+    fns = {
+        "layer": lambda x, w: F.layer_norm(x, (6, 5), w[:, None].expand(6, 5)),
+        "group": lambda x, w: F.group_norm(x, 2, w, w),
+        "batch": lambda x, w: F.batch_norm(x, None, None, w, w, training=True),
+        "instance": lambda x, w: F.instance_norm(x, weight=w, bias=w),
+    }
+    fn = fns[norm]
+    loss = lambda x, w: (fn(x, w) ** 2 * torch.arange(5.0)).sum()  # noqa: E731
+    xs, ws = make_batch(X, 0, 3), make_batch(W, 0, 3)
+    with ft.config.strict_fallback():
+        got = ft.vmap(ft.grad(loss, argnums=(0, 1)))(xs, ws)
+        got_shared = ft.vmap(ft.grad(loss, argnums=(0, 1)), in_dims=(0, None))(xs, W)
+    exp = [torch.autograd.grad(loss(x.requires_grad_(), w.requires_grad_()), (x, w))
+           for x, w in zip(xs.clone(), ws.clone())]
+    assert_same(got, tuple(torch.stack(t) for t in zip(*exp)), rtol=1e-4, atol=1e-5)
+    exp = [torch.autograd.grad(loss(x.requires_grad_(), w), (x, w))
+           for x in xs.clone() for w in [W.clone().requires_grad_()]]
+    assert_same(got_shared, tuple(torch.stack(t) for t in zip(*exp)), rtol=1e-4, atol=1e-5)
+
+
+class _SmallCNN(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = {"group": nn.GroupNorm(2, 4), "layer": nn.LayerNorm([4, 5, 5]),
+                     "batch": nn.BatchNorm2d(4)}[norm]
+        self.fc = nn.Linear(4 * 25, 3)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.norm(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("norm", ["group", "layer", "batch"])
+def test_per_sample_gradients_of_small_cnn_vs_torch_func(norm):
+    torch.manual_seed(0)
+    model = _SmallCNN(norm).eval()  # batch norm: eval mode reads the (unbatched) buffers
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+    xs, ys = torch.randn(5, 1, 2, 5, 5), torch.tensor([[0], [1], [2], [1], [0]])
+
+    def loss(p, x, y):
+        out = torch.func.functional_call(model, (p, buffers), (x,))
+        return F.cross_entropy(out, y)
+    with ft.config.strict_fallback():
+        ours = ft.vmap(ft.grad(loss), in_dims=(None, 0, 0))(params, xs, ys)
+    ref = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, xs, ys)
+    assert_same(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_batch_norm_ensemble_training_vs_torch_func():
+    torch.manual_seed(0)
+    models = [_SmallCNN("batch") for _ in range(3)]
+    def stack(name):
+        per_model = [dict(getattr(m, name)()) for m in models]
+        return {k: torch.stack([d[k].detach() for d in per_model]) for k in per_model[0]}
+    params, buffers = stack("named_parameters"), stack("named_buffers")
+    x = torch.randn(4, 2, 5, 5)
+
+    def run(vmap, bufs):
+        call = lambda p, b: torch.func.functional_call(models[0], (p, b), (x,))  # noqa: E731
+        return vmap(call)(params, bufs)
+    ours_bufs = {k: v.clone() for k, v in buffers.items()}
+    ref_bufs = {k: v.clone() for k, v in buffers.items()}
+    with ft.config.strict_fallback():
+        ours = run(ft.vmap, ours_bufs)
+    ref = run(torch.func.vmap, ref_bufs)
+    assert_same(ours, ref, rtol=1e-4, atol=1e-5)
+    assert_same(ours_bufs, ref_bufs, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(ours_bufs["norm.running_mean"], buffers["norm.running_mean"])
+
+
+@pytest.mark.parametrize("f", [_legit, _with_update, _legit_eval])
+@pytest.mark.parametrize("dims", [(0, None, None, None), (None, 0, None, None),
+                                  (-1, 0, None, None)])
+def test_unbatched_running_stats_where_the_update_is_possible(f, dims):
+    # Eval mode writes nothing; an unbatched input gives every example the same update (a
+    # batched weight does not change the statistics).  The rule decides (checks_inplace), so
+    # these run instead of being refused; training with a batched input must still raise.
+    training = f is not _legit_eval
+    if training and dims[0] is not None:
+        with pytest.raises(ft.UnsupportedUnderVmap, match="running"):
+            check_vmap(f, [X, W, RM, RV], dims)
+    else:
+        check_vmap(f, [X, W, RM, RV], dims)
