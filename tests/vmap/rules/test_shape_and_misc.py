@@ -56,6 +56,8 @@ def test_linspace_logspace_tensor_endpoints(steps):
     check_vmap_all_bdims(lambda a: torch.linspace(a, 4.0, steps), [s])
     check_vmap_all_bdims(lambda a, b: torch.logspace(a, b, steps, base=2.0), [s, e])
     check_vmap_all_bdims(lambda b: torch.logspace(0.5, b, steps, dtype=torch.float64), [e])
+    check_vmap_all_bdims(lambda b: torch.linspace(-2.0, b, steps), [e])
+    check_vmap_all_bdims(lambda a: torch.logspace(a, 1.0, steps), [s])
 
 
 def test_integer_linspace_declines_to_the_correct_loop():
