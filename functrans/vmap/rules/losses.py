@@ -1,63 +1,102 @@
-"""Losses: nll_loss_forward and nll_loss_backward (what ``F.nll_loss`` and ``F.cross_entropy``
-reach for 1-D and 2-D inputs).
+"""Losses: the nll family (nll_loss_forward/backward, nll_loss2d_forward/backward: what
+``F.nll_loss`` and ``F.cross_entropy`` reach), the elementwise losses (mse, huber, smooth_l1,
+soft_margin, binary_cross_entropy, binary_cross_entropy_with_logits) with their backward
+kernels, and the margin losses (multi_margin, multilabel_margin) with theirs.
 
-Invariants: the batch goes first and each example's targets are gathered in one physical call;
-per-example reductions ('sum', 'mean' with its total weight) happen after the gather, so an
-example's loss never mixes with another's.  Ignored targets (``ignore_index``) weigh zero.  A
-batched class-weight tensor is declined (the loop fallback runs it).
+Invariants:
+* a loss's reduction is per example: every kernel runs with reduction='none' on the whole
+  batch (the batch first, folded into the rows of the row-wise kernels), then each example's
+  losses are summed or averaged on their own, so an example's loss never mixes with another's;
+* a backward kernel with a reduced loss gets each example's scalar gradient expanded to the
+  example's elements (divided by the example's element or row count for 'mean'), and runs with
+  reduction='none';
+* nll: each example's targets are gathered in one physical call; ignored targets
+  (``ignore_index``) weigh zero; a batched class weight is gathered per example;
+* multi_margin: a class weight only scales a row's loss by w[target], so a batched one is
+  gathered per row and the kernels run unweighted.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..helpers import ensure_bdim_front
+from ..helpers import ensure_bdim_front, move_bdim_to_front, pad_to_rank
 from ..registry import Decline, register_batch_rule
 
 aten = torch.ops.aten
 _NONE, _MEAN, _SUM = 0, 1, 2
 
 
-def _examples(x, x_bdim, target, t_bdim, size):
-    """Inputs as [B, N, C] and targets as [B, N] (N = 1 for a 1-D input)."""
+def _bind(op, args, kwargs, in_dims):
+    """The op's arguments by name (defaults filled in) and their bdims by name."""
+    values, dims = {}, {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args):
+            values[a.name], dims[a.name] = args[i], in_dims[i]
+        else:
+            values[a.name] = kwargs[a.name] if a.name in kwargs else a.default_value
+            dims[a.name] = None
+    return values, dims
+
+
+def _per_example(losses, reduction):
+    """Reduce ``[B, ...]`` losses of reduction='none' to what ``reduction`` gives each example."""
+    if reduction == _NONE:
+        return losses
+    flat = losses.flatten(1) if losses.dim() > 1 else losses.unsqueeze(1)
+    return flat.sum(1) if reduction == _SUM else flat.mean(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# nll_loss / nll_loss2d
+
+def _rows(x, x_bdim, target, t_bdim, size):
+    """Inputs as [B, M, C] and targets as [B, M], with the per-example shape of 'none' losses
+    and a function taking [B, M, C] back to the input's physical layout (batch first)."""
     X = ensure_bdim_front(x, x_bdim, size)
     T = ensure_bdim_front(target, t_bdim, size)
-    if X.dim() == 2:
-        return X.unsqueeze(1), T.unsqueeze(1), True
-    if X.dim() != 3:
-        raise Decline()
-    return X, T, False
+    if X.dim() == 2:    # one row: [C]
+        return X.unsqueeze(1), T.unsqueeze(1), (), lambda r: r.squeeze(1)
+    if X.dim() == 3:    # [N, C]
+        return X, T, T.shape[1:], lambda r: r
+    if X.dim() == 5:    # nll_loss2d: [N, C, H, W]
+        shape = X.shape
+        rows = X.movedim(2, -1).reshape(size, -1, shape[2])
+        return rows, T.reshape(size, -1), T.shape[1:], \
+            lambda r: r.reshape(shape[:2] + shape[3:] + shape[2:3]).movedim(-1, 2)
+    raise Decline()
 
 
-def _target_weights(T, weight, ignore_index, dtype):
+def _target_weights(T, weight, w_bdim, ignore_index, dtype, size):
     ignored = T == ignore_index
     safe = T.masked_fill(ignored, 0)
-    w = torch.ones(T.shape, dtype=dtype, device=T.device) if weight is None else \
-        weight.index_select(0, safe.reshape(-1)).view(safe.shape)
+    if weight is None:
+        w = torch.ones(T.shape, dtype=dtype, device=T.device)
+    elif w_bdim is None:
+        w = weight.index_select(0, safe.reshape(-1)).view(safe.shape)
+    else:
+        w = move_bdim_to_front(weight, w_bdim).gather(1, safe.reshape(size, -1)).view(safe.shape)
     return safe, w.masked_fill(ignored, 0)
 
 
-@register_batch_rule(aten.nll_loss_forward.default)
-def nll_loss_forward_rule(info, in_dims, x, target, weight, reduction, ignore_index):
-    if in_dims[2] is not None:
-        raise Decline()
-    X, T, one_d = _examples(x, in_dims[0], target, in_dims[1], info.batch_size)
-    safe, w = _target_weights(T, weight, ignore_index, X.dtype)
-    losses = -X.gather(2, safe.unsqueeze(2)).squeeze(2) * w          # [B, N]
+def _nll_forward(info, in_dims, x, target, weight, reduction, ignore_index):
+    B = info.batch_size
+    X, T, loss_shape, _ = _rows(x, in_dims[0], target, in_dims[1], B)
+    safe, w = _target_weights(T, weight, in_dims[2], ignore_index, X.dtype, B)
+    losses = -X.gather(2, safe.unsqueeze(2)).squeeze(2) * w          # [B, M]
     total = w.sum(1)
     if reduction == _NONE:
-        return (losses.squeeze(1) if one_d else losses, torch.zeros_like(total)), (0, 0)
+        return (losses.reshape((B,) + tuple(loss_shape)), torch.zeros_like(total)), (0, 0)
     summed = losses.sum(1)
     return (summed if reduction == _SUM else summed / total, total), (0, 0)
 
 
-@register_batch_rule(aten.nll_loss_backward.default)
-def nll_loss_backward_rule(info, in_dims, grad, x, target, weight, reduction, ignore_index,
-                           total_weight):
-    if in_dims[3] is not None:
-        raise Decline()
+def _nll_backward(info, in_dims, grad, x, target, weight, reduction, ignore_index,
+                  total_weight):
     B = info.batch_size
-    X, T, one_d = _examples(x, in_dims[1], target, in_dims[2], B)
-    safe, w = _target_weights(T, weight, ignore_index, X.dtype)
+    X, T, _, unrows = _rows(x, in_dims[1], target, in_dims[2], B)
+    safe, w = _target_weights(T, weight, in_dims[3], ignore_index, X.dtype, B)
     G = ensure_bdim_front(grad, in_dims[0], B)
     if reduction == _NONE:
         g = G.reshape(B, -1)
@@ -68,4 +107,161 @@ def nll_loss_backward_rule(info, in_dims, grad, x, target, weight, reduction, ig
     values = (-w * g).unsqueeze(2).to(X.dtype)
     out = torch.zeros(X.shape, dtype=X.dtype, device=X.device).scatter(2, safe.unsqueeze(2),
                                                                          values)
-    return (out.squeeze(1) if one_d else out), 0
+    return unrows(out), 0
+
+
+register_batch_rule([aten.nll_loss_forward.default, aten.nll_loss2d_forward.default],
+                    _nll_forward)
+register_batch_rule([aten.nll_loss_backward.default, aten.nll_loss2d_backward.default],
+                    _nll_backward)
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementwise losses: reduction='none' is elementwise in every tensor argument.
+
+def _aligned(values, dims, names, size):
+    """The named tensors batch-first, padded to the largest logical rank and expanded to the
+    common [B, *logical] shape (the kernels expect equal shapes); None stays None."""
+    fronts = {}
+    for n in names:
+        t, d = values[n], dims[n]
+        if t is not None:
+            fronts[n] = (t, 0) if d is None else (move_bdim_to_front(t, d), 1)
+    top = max(t.dim() - b for t, b in fronts.values())
+    padded = {n: pad_to_rank(t, top) if b else t for n, (t, b) in fronts.items()}
+    shape = torch.broadcast_shapes((size,) + (1,) * top, *(t.shape for t in padded.values()))
+    return {n: padded[n].expand(shape) if n in padded else None for n in names}, shape
+
+
+def _elementwise_loss(op, tensors):
+    def rule(info, in_dims, *args, **kwargs):
+        values, dims = _bind(op, args, kwargs, in_dims)
+        aligned, _ = _aligned(values, dims, tensors, info.batch_size)
+        losses = op(**{**values, **aligned, "reduction": _NONE})
+        return _per_example(losses, values["reduction"]), 0
+    rule.__name__ = f"elementwise_loss_rule[{op}]"
+    return rule
+
+
+def _elementwise_loss_backward(op, tensors):
+    def rule(info, in_dims, *args, **kwargs):
+        values, dims = _bind(op, args, kwargs, in_dims)
+        B = info.batch_size
+        reduction = values["reduction"]
+        names = tensors + (("grad_output",) if reduction == _NONE else ())
+        aligned, shape = _aligned(values, dims, names, B)
+        x, xd = values["self"], dims["self"]
+        if tuple(x.shape if xd is None else move_bdim_to_front(x, xd).shape[1:]) != shape[1:]:
+            raise Decline()   # the input itself was broadcast: eager's 'mean' count differs
+        G = aligned.get("grad_output")
+        if reduction != _NONE:
+            G = ensure_bdim_front(values["grad_output"], dims["grad_output"], B)
+            if reduction == _MEAN:
+                G = G / math.prod(shape[1:])
+            G = G.reshape((B,) + (1,) * (len(shape) - 1)).expand(shape)
+        return op(**{**values, **aligned, "grad_output": G, "reduction": _NONE}), 0
+    rule.__name__ = f"elementwise_loss_backward_rule[{op}]"
+    return rule
+
+
+_ELEMENTWISE_LOSSES = {
+    "mse_loss": ("self", "target"),
+    "huber_loss": ("self", "target"),
+    "smooth_l1_loss": ("self", "target"),
+    "soft_margin_loss": ("self", "target"),
+    "binary_cross_entropy": ("self", "target", "weight"),
+}
+
+for _name, _tensors in _ELEMENTWISE_LOSSES.items():
+    _fwd = getattr(aten, _name).default
+    _bwd = getattr(aten, _name + "_backward").default
+    register_batch_rule(_fwd, _elementwise_loss(_fwd, _tensors))
+    register_batch_rule(_bwd, _elementwise_loss_backward(_bwd, _tensors))
+
+register_batch_rule(aten.binary_cross_entropy_with_logits.default,
+                    _elementwise_loss(aten.binary_cross_entropy_with_logits.default,
+                                      ("self", "target", "weight", "pos_weight")))
+
+
+# ---------------------------------------------------------------------------------------------
+# Margin losses: row-wise kernels over [N, C] (or one [C] row); the batch folds into the rows.
+
+def _margin_rows(info, x, x_bdim):
+    """The input batch-first, its rows [B*N, C] (a [C] or 0-d example is one row), N."""
+    X = ensure_bdim_front(x, x_bdim, info.batch_size)
+    if X.dim() == 1:     # 0-d examples: one row of one class
+        return X, X.reshape(-1, 1), 1
+    if X.dim() not in (2, 3):
+        raise Decline()   # eager raises its own error for other ranks
+    n_rows = X.shape[1] if X.dim() == 3 else 1
+    return X, X.reshape(-1, X.shape[-1]), n_rows
+
+
+def _per_row_losses(losses, X, reduction):
+    B = X.shape[0]
+    losses = losses.reshape(B, -1) if X.dim() == 3 else losses.reshape(B)
+    return _per_example(losses, reduction)
+
+
+def _row_grads(info, grad, g_bdim, X, n_rows, reduction):
+    """Each row's gradient of a 'none' loss, as a [B*N] tensor."""
+    B = info.batch_size
+    G = ensure_bdim_front(grad, g_bdim, B)
+    if reduction == _NONE:
+        return G.reshape(-1)
+    if reduction == _MEAN:
+        G = G / n_rows
+    return G.reshape(B, 1).expand(B, n_rows).reshape(-1)
+
+
+def _class_weights(info, weight, w_bdim, T, n_rows):
+    """A batched class weight as each row's own weight w[target] ([B*N]); the kernels then run
+    unweighted, since the weight only scales each row's loss (and gradient)."""
+    W = move_bdim_to_front(weight, w_bdim)
+    return W.gather(1, T.reshape(info.batch_size, n_rows)).reshape(-1)
+
+
+@register_batch_rule(aten.multi_margin_loss.default)
+def multi_margin_loss_rule(info, in_dims, x, target, p=1, margin=1, weight=None,
+                           reduction=_MEAN):
+    X, rows, n_rows = _margin_rows(info, x, in_dims[0])
+    T = ensure_bdim_front(target, in_dims[1], info.batch_size).reshape(-1)
+    w_bdim = in_dims[4] if len(in_dims) > 4 else None
+    losses = aten.multi_margin_loss.default(rows, T, p, margin,
+                                            weight if w_bdim is None else None, _NONE)
+    if w_bdim is not None:
+        losses = losses * _class_weights(info, weight, w_bdim, T, n_rows)
+    return _per_row_losses(losses, X, reduction), 0
+
+
+@register_batch_rule(aten.multi_margin_loss_backward.default)
+def multi_margin_loss_backward_rule(info, in_dims, grad, x, target, p, margin, weight=None,
+                                    reduction=_MEAN):
+    X, rows, n_rows = _margin_rows(info, x, in_dims[1])
+    T = ensure_bdim_front(target, in_dims[2], info.batch_size).reshape(-1)
+    G = _row_grads(info, grad, in_dims[0], X, n_rows, reduction)
+    w_bdim = in_dims[5] if len(in_dims) > 5 else None
+    if w_bdim is not None:
+        G = G * _class_weights(info, weight, w_bdim, T, n_rows)
+        weight = None
+    out = aten.multi_margin_loss_backward.default(G, rows, T, p, margin, weight, _NONE)
+    return out.reshape(X.shape), 0
+
+
+@register_batch_rule(aten.multilabel_margin_loss_forward.default)
+def multilabel_margin_loss_forward_rule(info, in_dims, x, target, reduction):
+    X, rows, n_rows = _margin_rows(info, x, in_dims[0])
+    T = ensure_bdim_front(target, in_dims[1], info.batch_size).reshape(rows.shape)
+    losses, is_target = aten.multilabel_margin_loss_forward.default(rows, T, _NONE)
+    return (_per_row_losses(losses, X, reduction), is_target.reshape(X.shape)), (0, 0)
+
+
+@register_batch_rule(aten.multilabel_margin_loss_backward.default)
+def multilabel_margin_loss_backward_rule(info, in_dims, grad, x, target, reduction, is_target):
+    B = info.batch_size
+    X, rows, n_rows = _margin_rows(info, x, in_dims[1])
+    T = ensure_bdim_front(target, in_dims[2], B).reshape(rows.shape)
+    is_t = ensure_bdim_front(is_target, in_dims[4], B).reshape(rows.shape)
+    G = _row_grads(info, grad, in_dims[0], X, n_rows, reduction)
+    out = aten.multilabel_margin_loss_backward.default(G, rows, T, _NONE, is_t)
+    return out.reshape(X.shape), 0
