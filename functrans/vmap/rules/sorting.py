@@ -68,11 +68,19 @@ def _search_rows(info, seq, seq_bdim, values, v_bdim, sorter, **flags):
 
 @register_batch_rule(aten.searchsorted.Tensor)
 def searchsorted_rule(info, in_dims, seq, values, *, out_int32=False, right=False, side=None,
-                      sorter=None):
+                      sorter=None, _kw_dims=None):
     flags = dict(out_int32=out_int32, right=right, side=side)
+    sorter_dim = (_kw_dims or {}).get("sorter")
+    if sorter_dim is not None:  # per-example sorters: per-example rows of boundaries
+        sorter = ensure_bdim_front(sorter, sorter_dim, info.batch_size)
+        seq = ensure_bdim_front(seq, in_dims[0], info.batch_size)
+        return _search_rows(info, seq, 0, values, in_dims[1], sorter, **flags)
     if in_dims[0] is None and seq.dim() == 1:
         return aten.searchsorted.Tensor(seq, values, sorter=sorter, **flags), in_dims[1]
     return _search_rows(info, seq, in_dims[0], values, in_dims[1], sorter, **flags)
+
+
+searchsorted_rule.batched_kwargs = True  # sorter= may be batched (see dispatch)
 
 
 @register_batch_rule(aten.searchsorted.Scalar)

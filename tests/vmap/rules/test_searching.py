@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import functrans as ft
-from tests.oracles import check_vmap, check_vmap_all_bdims
+from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims, loop_oracle, make_batch
 
 g = torch.Generator().manual_seed(0)
 EDGES = torch.linspace(-1.5, 1.5, 7)
@@ -161,3 +161,19 @@ def test_histogramdd(density):
                                           density=density).hist
     for in_dims in [(0, None, None), (None, 0, None), (-1, 0, -1), (0, 0, 0)]:
         check_vmap(t, [x, *edges], in_dims)
+
+
+def test_searchsorted_with_batched_sorter():
+    seq = torch.randn(6)
+    sorter = torch.argsort(seq)
+    vals = torch.randn(4)
+    # in_dims for (seq, values, sorter): the sorter must sort its own example's boundaries
+    for dims in ((0, None, 0), (0, 0, 0), (-1, None, -1)):
+        seqs = make_batch(seq, dims[0], 3)
+        sorters = torch.stack([torch.argsort(s) for s in seqs.movedim(dims[0], 0)],
+                              dims[0] % 2)
+        f = lambda s, v, o: torch.searchsorted(s, v, sorter=o)
+        batched = [seqs, vals if dims[1] is None else make_batch(vals, dims[1], 3), sorters]
+        with ft.config.strict_fallback():
+            got = ft.vmap(f, in_dims=dims)(*batched)
+        assert_same(got, loop_oracle(f, dims, 3, *batched))
