@@ -222,3 +222,36 @@ def addr_rule(info, in_dims, self, v1, v2, *, beta=1, alpha=1):
     prod = _unsqueeze(v1, d1, -1) * _unsqueeze(v2, d2, 0)
     pd = None if d1 is None and d2 is None else 0
     return _scale_add(prod, pd, self, sd, beta, alpha, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# _trilinear (F.bilinear and its backward): sum over ``sumdim`` of the product of three inputs,
+# each unsqueezed at its ``expand`` dims to a common rank.
+
+def _is_bilinear_forward(in_dims, i1, i2, i3, expand1, expand2, expand3, sumdim) -> bool:
+    """F.bilinear's own call (rows of i1 and i3 against a shared weight i2): the batch can
+    join the rows."""
+    return (in_dims[1] is None and i2.dim() == 3 and list(expand2) == [0]
+            and 0 not in expand1 and 0 not in expand3 and 0 not in sumdim
+            and i1.dim() - (in_dims[0] is not None) == 2
+            and i3.dim() - (in_dims[2] is not None) == 2)
+
+
+@register_batch_rule(torch.ops.aten._trilinear.default)
+def trilinear_rule(info, in_dims, i1, i2, i3, expand1, expand2, expand3, sumdim,
+                   unroll_dim=1):
+    B = info.batch_size
+    op = torch.ops.aten._trilinear.default
+    front = [t if d is None else move_bdim_to_front(t, d) for t, d in zip((i1, i2, i3), in_dims)]
+    if _is_bilinear_forward(in_dims, i1, i2, i3, expand1, expand2, expand3, sumdim):
+        rows = [t.expand(B, *t.shape) if d is None else t for t, d in zip(front, in_dims)]
+        n = rows[0].shape[1]
+        out = op(rows[0].reshape(B * n, rows[0].shape[2]), i2,
+                 rows[2].reshape(B * n, rows[2].shape[2]),
+                 expand1, expand2, expand3, sumdim, unroll_dim)
+        return out.view(B, n, *out.shape[1:]), 0
+    # In general the batch is one more leading dim of all three (expanded where unbatched).
+    full = [t.expand(B, *t.shape) if d is None else t for t, d in zip(front, in_dims)]
+    shift = lambda dims: [d + 1 for d in dims]  # noqa: E731
+    return op(full[0], full[1], full[2], shift(expand1), shift(expand2), shift(expand3),
+              shift(sumdim), unroll_dim + 1), 0

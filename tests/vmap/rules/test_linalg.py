@@ -309,3 +309,21 @@ def test_ensemble_of_mlps_vs_torch_func():
     with ft.config.strict_fallback():
         ours = ft.vmap(forward, in_dims=(0, None))(stacked, x)
     assert_same(ours, torch.func.vmap(forward, in_dims=(0, None))(stacked, x))
+
+
+def test_bilinear_trilinear_forward_and_per_sample_grads():
+    import torch.nn.functional as F
+    import functrans as ft
+    from tests.oracles import assert_same, check_vmap_all_bdims
+    x1, x2, w, b = torch.randn(4, 3), torch.randn(4, 5), torch.randn(6, 3, 5), torch.randn(6)
+    check_vmap_all_bdims(lambda a, c, ww, bb: F.bilinear(a, c, ww, bb), [x1, x2, w, b])
+    check_vmap_all_bdims(lambda a, c, ww: F.bilinear(a, c, ww), [x1[0], x2[0], w])
+    f = lambda ww, a, c: F.bilinear(a, c, ww).pow(2).sum()
+    X1, X2 = torch.randn(3, 4, 3), torch.randn(3, 4, 5)
+    for dims in ((None, 0, 0), (0, 0, None)):
+        args = (w if dims[0] is None else torch.randn(3, 6, 3, 5), X1,
+                X2 if dims[2] is not None else X2[0])
+        with ft.config.strict_fallback():
+            got = ft.vmap(ft.grad(f), in_dims=dims)(*args)
+        assert_same(got, torch.func.vmap(torch.func.grad(f), in_dims=dims)(*args),
+                    rtol=1e-5, atol=1e-5)
