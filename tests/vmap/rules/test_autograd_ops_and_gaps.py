@@ -1,6 +1,6 @@
 """Rules that the sweeps do not reach by themselves: autograd's helper ops (_neg_view,
-fill_.Tensor), the private _logcumsumexp, in-place scatter_add_, and the 3-D pooling backward
-ops (reached by vmap(grad)).  Loop oracle, every in_dims choice, strict."""
+fill_.Tensor), the private _logcumsumexp, _index_put_impl and _linalg_eigvals, in-place
+scatter_add_, and the 3-D pooling backward ops (reached by vmap(grad)).  Loop oracle, every in_dims choice, strict."""
 import torch
 import torch.nn.functional as F
 
@@ -35,3 +35,12 @@ def test_pool3d_backward_ops_under_vmap_grad():
         with ft.config.strict_fallback():
             got = ft.vmap(ft.grad(f))(x)
         assert_same(got, torch.func.vmap(torch.func.grad(f))(x))
+
+
+def test_functional_index_put_impl_and_eigvals():
+    idx = torch.tensor([0, 2])
+    f = lambda a, v: torch.ops.aten._index_put_impl(a, [idx], v, accumulate=True)
+    check_vmap_all_bdims(f, [X, torch.randn(2, 5, generator=g)])
+    A = torch.randn(4, 4, generator=g) + 3 * torch.eye(4)
+    # (eager linalg.eigvals goes through linalg_eig on CPU; the private op is callable)
+    check_vmap_all_bdims(lambda a: torch.ops.aten._linalg_eigvals(a).abs().sort().values, [A])
