@@ -126,7 +126,7 @@ def pointwise_rule_for(op: torch._ops.OpOverload):
         and args_schema[0].alias_info.is_write
     # Backward kernels (gelu_backward...) always see equal shapes in eager, and some CPU kernels
     # cannot broadcast: give their unbatched tensors the full batched shape (a stride-0 view).
-    same_shapes = op.overloadpacket.__name__.endswith("_backward")
+    same_shapes = op.overloadpacket.__name__.endswith("_backward") or op.namespace == "prims"
 
     def rule(info, in_dims, *args, **kwargs):
         bdim = None
@@ -178,4 +178,23 @@ from ..registry import register_batch_rule  # noqa: E402
 aten = torch.ops.aten
 
 for _op in (aten.rsub.Tensor, aten.rsub.Scalar, aten.complex.default, aten.polar.default):
+    register_batch_rule(_op, pointwise_rule_for(_op))
+
+# Elementwise prims (the ``_make_elementwise_*_prim`` ones of torch._prims, plus where and
+# convert_element_type) reach vmap when a Python reference implementation runs on
+# BatchedTensors (e.g. the meta path of some forward-AD formulas).  Prims never broadcast, so
+# their rule gives every tensor the full batched shape (``same_shapes`` above).
+ELEMENTWISE_PRIMS = (
+    "abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "cos", "cosh", "bessel_j0",
+    "bessel_j1", "bessel_i0", "bessel_i0e", "bessel_i1", "bessel_i1e", "bitwise_not", "cbrt",
+    "ceil", "digamma", "erf", "erf_inv", "erfc", "erfcx", "exp", "expm1", "exp2", "floor",
+    "isfinite", "lgamma", "log", "log1p", "log2", "log10", "reciprocal", "ndtri", "neg", "round",
+    "rsqrt", "sign", "signbit", "sin", "sinh", "spherical_bessel_j0", "sqrt", "tan", "tanh",
+    "trunc", "add", "atan2", "bitwise_and", "bitwise_or", "bitwise_xor", "div", "eq", "fmax",
+    "fmin", "fmod", "gcd", "ge", "gt", "hypot", "igamma", "igammac", "le", "lt", "maximum",
+    "minimum", "mul", "ne", "nextafter", "pow", "remainder", "shift_left",
+    "shift_right_arithmetic", "sub", "zeta", "where", "convert_element_type")
+
+for _name in ELEMENTWISE_PRIMS:
+    _op = getattr(torch.ops.prims, _name).default
     register_batch_rule(_op, pointwise_rule_for(_op))
