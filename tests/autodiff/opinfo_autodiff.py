@@ -77,7 +77,9 @@ def _checks_for(g, diff) -> Dict[str, tuple]:
     n = len(diff)
 
     def loop(fn, *batches):
-        outs = [fn(*[b[i] for b in batches]) for i in range(B)]
+        # Each example a fresh tensor (a slice of the batch has a storage offset that
+        # as_strided & co. would read as part of the example).
+        outs = [fn(*[b[i].clone() for b in batches]) for i in range(B)]
         return pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
 
     return {
