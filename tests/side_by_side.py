@@ -29,6 +29,29 @@ def run(names=None):
     return vm, ad, rows
 
 
+def gaps(vm, ad) -> str:
+    """Per check, the ops that torch.func runs (by rule or fallback) where functrans falls
+    back or errors: what is left to do, or to explain in known_fallbacks / XFAILS."""
+    passing = ("rule", "fallback")
+    lines = ["functrans behind torch.func (functrans outcome; torch.func passes):"]
+    for nested, label in ((False, "vmap"), (True, "vmap∘vmap")):
+        behind = [f"{r.op} ({r.outcome('functrans', nested)})" for r in vm if not r.skipped
+                  and r.outcome("functrans", nested) in ("fallback", "error")
+                  and r.outcome("torch.vmap", nested) in passing]
+        lines.append(f"  {label}: " + (", ".join(behind) or "none"))
+    for check, label in (("vmap_vjp", "vmap∘vjp"), ("vmap_jvp", "vmap∘jvp")):
+        behind = []
+        for name, res in ad.items():
+            if "skipped" in res or ("functrans", check) not in res:
+                continue
+            ours = opinfo_autodiff.worst(res[("functrans", check)])
+            theirs = opinfo_autodiff.worst(res[("torch.func", check)])
+            if ours in ("fallback", "error") and theirs in passing:
+                behind.append(f"{name} ({ours})")
+        lines.append(f"  {label}: " + (", ".join(behind) or "none"))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ops", default="", help="comma-separated OpInfo names (default: all)")
@@ -38,6 +61,7 @@ def main(argv=None) -> int:
     vm, ad, rows = run([s for s in a.ops.split(",") if s] or None)
     text = "\n".join([f"functrans | torch.func, {len(vm)} OpInfo ops "
                       f"({time.time() - start:.0f} s)", ""] + opinfo_sweep.check_table(rows))
+    text += "\n\n" + gaps(vm, ad)
     wrong = [r.op for r in vm if r.outcome("functrans") == "wrong"] + [
         name for name, res in ad.items() if "skipped" not in res and any(
             impl == "functrans" and opinfo_autodiff.worst(outs) == "wrong"

@@ -165,7 +165,6 @@ def test_histogramdd(density):
 
 def test_searchsorted_with_batched_sorter():
     seq = torch.randn(6)
-    sorter = torch.argsort(seq)
     vals = torch.randn(4)
     # in_dims for (seq, values, sorter): the sorter must sort its own example's boundaries
     for dims in ((0, None, 0), (0, 0, 0), (-1, None, -1)):
