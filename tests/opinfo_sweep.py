@@ -63,7 +63,6 @@ _AS_STRIDED = ("as_strided addresses storage by absolute offsets: functrans runs
                "memory) and refuses other layouts (torch.vmap runs them, and gets them wrong)")
 XFAILS: Dict[str, str] = {
     "masked_select": _DATA_DEPENDENT,
-    "__getitem__": _DATA_DEPENDENT,
     "combinations": _DATA_DEPENDENT,
     "argwhere": _DATA_DEPENDENT,
     "nn.functional.ctc_loss": _DATA_DEPENDENT,

@@ -126,7 +126,8 @@ def pointwise_rule_for(op: torch._ops.OpOverload):
         and args_schema[0].alias_info.is_write
     # Backward kernels (gelu_backward...) always see equal shapes in eager, and some CPU kernels
     # cannot broadcast: give their unbatched tensors the full batched shape (a stride-0 view).
-    same_shapes = op.overloadpacket.__name__.endswith("_backward") or op.namespace == "prims"
+    is_prim = op.namespace == "prims"
+    same_shapes = op.overloadpacket.__name__.endswith("_backward") or is_prim
 
     def rule(info, in_dims, *args, **kwargs):
         bdim = None
@@ -155,10 +156,14 @@ def pointwise_rule_for(op: torch._ops.OpOverload):
                 a = pad_to_rank(move_bdim_to_front(a, d), top)
             new_args.append(a)
         if same_shapes:
-            tensors = [a for a in new_args if isinstance(a, torch.Tensor) and a.dim() > 0]
-            shape = torch.broadcast_shapes(*[t.shape for t in tensors])
-            new_args = [a.expand(shape) if isinstance(a, torch.Tensor) and a.dim() > 0
-                        and a.shape != shape else a for a in new_args]
+            # (prims want even 0-d tensors expanded, except CPU scalars beside other devices)
+            device = next(a.device for a, d in zip(new_args, in_dims) if d is not None
+                          and isinstance(a, torch.Tensor))
+            grow = [isinstance(a, torch.Tensor) and (a.dim() > 0 or (
+                is_prim and a.device == device)) for a in new_args]
+            shape = torch.broadcast_shapes(*[a.shape for a, g in zip(new_args, grow) if g])
+            new_args = [a.expand(shape) if g and a.shape != shape else a
+                        for a, g in zip(new_args, grow)]
         out = op(*new_args, **kwargs)
         if inplace:
             return args[0], in_dims[0]

@@ -47,3 +47,15 @@ def test_vmap_of_jvp_of_solve_runs_by_rules():
     ref = torch.func.vmap(lambda a, t: torch.func.jvp(lambda x: torch.linalg.solve(x, B),
                                                       (a,), (t,)))(A, T)
     assert_same(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_zero_dim_operands_and_vmap_of_jvp_of_nanmean():
+    check_vmap_all_bdims(lambda a, b: prims.mul(a, b), [POS, torch.tensor(2.0)])
+    x = torch.randn(3, 4, dtype=torch.float64, generator=g)
+    x[0, 1] = float("nan")
+    t = torch.randn(3, 4, dtype=torch.float64, generator=g)
+    f = lambda a, b: ft.jvp(torch.nanmean, (a,), (b,))
+    with ft.config.strict_fallback():
+        got = ft.vmap(f)(x, t)
+    assert_same(got, torch.func.vmap(lambda a, b: torch.func.jvp(
+        torch.nanmean, (a,), (b,)))(x, t))
