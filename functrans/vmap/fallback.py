@@ -77,8 +77,10 @@ STORAGE_DEPENDENT = {"as_strided", "as_strided_", "as_strided_copy", "as_strided
 
 
 # Kernels that read some tensor arguments as if contiguous, ignoring their strides (found for
-# mkldnn_rnn_layer): a slice of a batch is rarely contiguous, so they get contiguous copies.
-STRIDE_BLIND = {"mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"}
+# mkldnn_rnn_layer and fractional_max_pool*_backward): a slice of a batch is rarely
+# contiguous, so they get contiguous copies.
+STRIDE_BLIND = {"mkldnn_rnn_layer", "mkldnn_rnn_layer_backward", "fractional_max_pool2d_backward",
+                "fractional_max_pool3d_backward"}
 
 
 def loop_fallback(op, level, in_dims, *vals, _declined: bool = False, **kwargs):

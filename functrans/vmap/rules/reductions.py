@@ -261,3 +261,7 @@ def _softmax_backward_rule(op):
 
 for _op in (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default):
     register_batch_rule(_op, _softmax_backward_rule(_op))
+
+
+# hash_tensor (mode 0: an xor of the elements' bits, so the order of reduction is immaterial)
+register_batch_rule(aten.hash_tensor.default, _dims_rule(aten.hash_tensor.default))

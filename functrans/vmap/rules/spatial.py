@@ -39,12 +39,14 @@ def _times_batch(size, B):
     return [B * size[0]] + size[1:]
 
 
-def fold_into_n_rule(op, ranks, *, size_arg: Optional[str] = None):
+def fold_into_n_rule(op, ranks, *, size_arg: Optional[str] = None, contiguous: bool = False):
     """A rule for ``op`` whose tensor arguments all share one logical rank, out of ``ranks``
     (``(r,)`` or ``(r - 1, r)``, the larger one meaning "has its own batch dim ``N``").
 
     ``size_arg`` names an ``int[]`` argument that spells the full input shape ``[N, C, ...]``
     (``input_size`` of the upsample backward ops): its ``N`` is multiplied by the batch size.
+    ``contiguous``: the kernel reads its tensors as if contiguous (fractional_max_pool*_backward
+    does), so the folded tensors are made contiguous.
     """
     tensor_pos = _tensor_positions(op)
     full_rank = max(ranks)
@@ -64,7 +66,7 @@ def fold_into_n_rule(op, ranks, *, size_arg: Optional[str] = None):
             if has_n:
                 ns.add(t.shape[1])
                 t = t.reshape(B * t.shape[1], *t.shape[2:])
-            new[p] = t
+            new[p] = t.contiguous() if contiguous else t
         if len(ns) > 1:  # mismatched N: let the fallback raise PyTorch's error
             raise Decline()
         n = ns.pop() if ns else None

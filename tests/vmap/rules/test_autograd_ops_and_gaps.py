@@ -44,3 +44,19 @@ def test_functional_index_put_impl_and_eigvals():
     A = torch.randn(4, 4, generator=g) + 3 * torch.eye(4)
     # (eager linalg.eigvals goes through linalg_eig on CPU; the private op is callable)
     check_vmap_all_bdims(lambda a: torch.ops.aten._linalg_eigvals(a).abs().sort().values, [A])
+
+
+def test_fractional_max_pool_backward_under_vmap_of_vjp():
+    for pool, x, samples in (
+            (F.fractional_max_pool2d, torch.randn(1, 2, 6, 6, generator=g),
+             torch.rand(1, 2, 2, generator=g)),
+            (F.fractional_max_pool3d, torch.randn(1, 2, 6, 6, 6, generator=g),
+             torch.rand(1, 2, 3, generator=g))):
+        f = lambda a: pool(a, 2, output_size=3, _random_samples=samples)
+        out, vjp_fn = ft.vjp(f, x)
+        cts = torch.randn(3, *out.shape, generator=g)
+        with ft.config.strict_fallback():
+            got, = ft.vmap(vjp_fn)(cts)
+        expected = torch.stack([torch.autograd.grad(f(x.requires_grad_()), x, c)[0]
+                                for c in cts])
+        assert_same(got, expected)

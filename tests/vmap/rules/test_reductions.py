@@ -353,3 +353,9 @@ OWNED = [aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.di
 def test_owned_ops_have_a_rule_and_are_not_composite(op):
     assert not decomposes_above_dispatch(op)
     assert find_rule(op)[0] == "rule"
+
+
+def test_hash_tensor():
+    x = torch.randn(3, 4)
+    for kwargs in ({}, {"dim": [1]}, {"dim": [0, 1], "keepdim": True}):
+        check_vmap_all_bdims(lambda a: torch.ops.aten.hash_tensor(a, **kwargs), [x])
