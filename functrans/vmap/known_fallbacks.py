@@ -2,23 +2,47 @@
 
 Every other op reached under vmap has a rule, a derived rule, or a decomposition (the full OpInfo
 sweep lists any op that falls back and is not here).  The fallback's warning quotes the reason,
-so a user who meets one knows it is deliberate.  Keys are ``packet.overload`` names.
+so a user who meets one knows it is deliberate.  Keys are ``packet.overload`` names (with a
+``namespace::`` prefix outside aten).  Ops that DO have a rule but decline some arguments say so
+in their family's docstring (e.g. group norm's non-contiguous weights, histogram without a
+range) and in the fallback warning.
 """
 from __future__ import annotations
 
 from typing import Dict
 
+_SEGFAULT = ("PyTorch's adaptive_max_pool3d_backward kernel crashed (segfault) on inputs with "
+             "the vmap batch folded into N or C; the per-example loop is safe")
+_RESIZE = ("resizes a tensor's storage in place: the examples of a batched tensor share one "
+           "storage, so there is no batched resize; the loop resizes each example's slice")
+_GPU_ONLY = ("CUDA/ROCm-only kernel; this machine has no GPU to test a rule against, so the "
+             "loop (correct, slow) runs it")
+_LCE = ("the chunked path of F.linear_cross_entropy (a private torch_nn op, new in torch 2.13) "
+        "has no rule yet; its unchunked path is batched by rules")
+
 NO_RULE: Dict[str, str] = {
-    "adaptive_max_pool3d.default": (
-        "PyTorch's adaptive_max_pool3d_backward kernel crashed (segfault) on inputs with the "
-        "vmap batch folded into N or C; the per-example loop is safe"),
-    "adaptive_max_pool3d_backward.default": (
-        "PyTorch's adaptive_max_pool3d_backward kernel crashed (segfault) on inputs with the "
-        "vmap batch folded into N or C; the per-example loop is safe"),
+    "adaptive_max_pool3d.default": _SEGFAULT,
+    "adaptive_max_pool3d_backward.default": _SEGFAULT,
+    "resize_.default": _RESIZE,
+    "resize.default": _RESIZE,
+    "resize_as.default": _RESIZE,
+    "resize_as_.default": _RESIZE,
+    "_cudnn_rnn.default": _GPU_ONLY,
+    "_cudnn_rnn_backward.default": _GPU_ONLY,
+    "cudnn_batch_norm.default": _GPU_ONLY,
+    "cudnn_batch_norm_backward.default": _GPU_ONLY,
+    "miopen_batch_norm.default": _GPU_ONLY,
+    "torch_nn::_linear_cross_entropy_batch_chunked.default": _LCE,
+    "torch_nn::_linear_cross_entropy_batch_chunked_no_reduction.default": _LCE,
 }
+
+
+def key(op) -> str:
+    """``packet.overload`` for aten ops, ``namespace::packet.overload`` for others."""
+    name = f"{op.overloadpacket.__name__}.{op._overloadname}"
+    return name if op.namespace == "aten" else f"{op.namespace}::{name}"
 
 
 def reason(op) -> str:
     """The reason ``op`` has no rule on purpose, or ''."""
-    return NO_RULE.get(f"{op.overloadpacket.__name__}.{op._overloadname}", "") \
-        if op.namespace == "aten" else ""
+    return NO_RULE.get(key(op), "")

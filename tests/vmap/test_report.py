@@ -127,3 +127,22 @@ def test_declined_rule_says_so_in_warning_and_strict_error():
     with functrans.config.strict_fallback(), pytest.raises(
             functrans.UnsupportedUnderVmap, match="front_only.default declined these arguments"):
         vmap(f, in_dims=1)(torch.randn(4, 3))
+
+
+def test_deliberate_fallbacks_quote_their_reason():
+    import torch.nn.functional as F
+    from functrans.vmap import fallback
+    op = aten.adaptive_max_pool3d_backward.default
+    fallback._warned.discard(op)
+    x = torch.randn(3, 2, 4, 4, 4)
+    f = ft_grad_of(lambda a: F.adaptive_max_pool3d(a, 2).sum())
+    with pytest.warns(functrans.PerformanceWarning, match="no batching rule on purpose: .*segf"):
+        with functrans.record_fallbacks() as report:
+            got = vmap(f)(x)
+    rec = report.ops[str(op)]
+    assert rec.calls == 1 and "segfault" in rec.on_purpose and "none on purpose" in str(report)
+    torch.testing.assert_close(got, torch.func.vmap(f)(x))
+
+
+def ft_grad_of(f):
+    return functrans.grad(f)
