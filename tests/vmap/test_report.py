@@ -135,14 +135,11 @@ def test_deliberate_fallbacks_quote_their_reason():
     op = aten.adaptive_max_pool3d_backward.default
     fallback._warned.discard(op)
     x = torch.randn(3, 2, 4, 4, 4)
-    f = ft_grad_of(lambda a: F.adaptive_max_pool3d(a, 2).sum())
+    loss = lambda a: F.adaptive_max_pool3d(a, 2).sum()  # noqa: E731
+    f = functrans.grad(loss)
     with pytest.warns(functrans.PerformanceWarning, match="no batching rule on purpose: .*segf"):
         with functrans.record_fallbacks() as report:
             got = vmap(f)(x)
     rec = report.ops[str(op)]
     assert rec.calls == 1 and "segfault" in rec.on_purpose and "none on purpose" in str(report)
-    torch.testing.assert_close(got, torch.func.vmap(f)(x))
-
-
-def ft_grad_of(f):
-    return functrans.grad(f)
+    torch.testing.assert_close(got, torch.func.vmap(torch.func.grad(loss))(x))
