@@ -50,7 +50,8 @@ class _OpMeta:
     """Per-op facts computed once: which arguments the op writes to."""
 
     __slots__ = ("mutable_pos", "mutable_kw", "inplace_view", "random", "returns_self",
-                 "returns_none", "checked", "how", "rule", "generation", "name")
+                 "returns_none", "checked", "how", "rule", "generation", "name",
+                 "rule_checks_inplace")
 
     def __init__(self, op: torch._ops.OpOverload):
         self.name = str(op)
@@ -72,6 +73,7 @@ class _OpMeta:
         self.checked = bool(self.mutable_pos or self.mutable_kw or self.random
                             or self.inplace_view)
         self.how, self.rule, self.generation = "none", None, -1
+        self.rule_checks_inplace = False
 
 
 _op_meta: Dict[torch._ops.OpOverload, _OpMeta] = {}
@@ -192,6 +194,7 @@ def _inplace_view(op, args, kwargs, level):
 
 def _resolve(op, meta: _OpMeta) -> None:
     meta.how, meta.rule = registry.find_rule(op)
+    meta.rule_checks_inplace = getattr(meta.rule, "checks_inplace", False)
     meta.generation = registry.generation()
 
 
@@ -275,8 +278,7 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
     # A rule registered with checks_inplace=True decides itself which writes into unbatched
     # tensors are possible (batch norm's running stats: none in eval mode, one shared update
     # for an unbatched input); the fallback still gets the generic check.
-    rule_checks = meta.rule is not None and not kw_batched and \
-        getattr(meta.rule, "checks_inplace", False)
+    rule_checks = meta.rule_checks_inplace and not kw_batched
     if meta.checked:
         if meta.mutable_pos or meta.mutable_kw:
             if copied_views._copies:
