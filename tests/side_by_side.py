@@ -6,7 +6,7 @@ AD).  Cells count ops by their worst check: ``rule`` (batching rules or decompos
 functrans ran strict, torch.func gave no fallback warning), ``fallback`` (some op ran on the
 per-example loop), ``error``, ``wrong``.  torch.func runs here as a test-side reference only.
 
-Run ``python -m tests.side_by_side [--ops a,b] [--report FILE]`` (the full run takes ~15 min on
+Run ``python -m tests.side_by_side [--ops a,b] [--report FILE]`` (the full run takes ~3 min on
 2 cores).
 """
 from __future__ import annotations
