@@ -140,3 +140,16 @@ def test_as_strided_refuses_shared_or_interleaved_memory(make):
     x = make(torch.randn(6, 6))   # examples interleaved / not starting their own storage
     with pytest.raises(UnsupportedUnderVmap, match="owns an equal block of its storage"):
         ft.vmap(lambda a: a.as_strided((2,), (1,), 0))(x)
+
+
+def test_vmap_of_vjp_of_circular_pad_with_empty_examples():
+    import torch.nn.functional as F
+    for shape in ((1, 3, 3), (0, 3, 3)):
+        x = torch.randn(*shape)
+        f = lambda a: F.pad(a, (1, 2), mode="circular")
+        out, vjp_fn = ft.vjp(f, x)
+        cts = torch.randn(3, *out.shape)
+        with ft.config.strict_fallback():
+            got, = ft.vmap(vjp_fn)(cts)
+        ref, = torch.func.vmap(torch.func.vjp(f, x)[1])(cts)
+        assert_same(got, ref)
