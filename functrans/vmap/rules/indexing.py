@@ -462,8 +462,14 @@ def masked_scatter_rule(info, in_dims, x, mask, source):
     Mf = M.reshape(B, -1)
     S = ensure_bdim_front(source, in_dims[2], B).reshape(B, -1)
     if S.shape[1] < Mf.shape[1]:
-        raise Decline()  # eager checks the source is long enough for each mask: the loop does
-    pos = (Mf.cumsum(1) - 1).clamp(min=0)
+        # A shorter source is fine while it covers each example's mask: check that here
+        # (concrete values only; otherwise the loop checks and raises eager's error).
+        from ..batched_tensor import BatchedTensor
+        if type(Mf) is BatchedTensor or bool((Mf.sum(1) > S.shape[1]).any()):
+            raise Decline()
+        if S.shape[1] == 0:
+            return X.clone(), 0  # nothing is selected in any example
+    pos = (Mf.cumsum(1) - 1).clamp(min=0, max=max(S.shape[1] - 1, 0))
     out = torch.where(Mf, S.gather(1, pos), X.reshape(B, -1))
     return out.reshape(X.shape), 0
 

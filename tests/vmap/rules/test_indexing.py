@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import functrans as ft
-from tests.oracles import check_vmap_all_bdims
+from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims
 
 g = torch.Generator().manual_seed(0)
 X = torch.randn(3, 4, generator=g)
@@ -183,3 +183,20 @@ def test_per_example_gradients_match_torch_func(loss, in_dims):
         got = ft.vmap(ft.grad(loss), in_dims=in_dims)(*args)
     want = torch.func.vmap(torch.func.grad(loss), in_dims=in_dims)(*args)
     torch.testing.assert_close(got, want)
+
+
+def test_masked_scatter_with_a_source_shorter_than_the_mask():
+    x = torch.zeros(5)
+    mask = torch.tensor([True, False, True, False, False])
+    src = torch.randn(3)
+    f = lambda a, m, s: a.masked_scatter(m, s)  # noqa: E731
+    for dims in ((0, None, 0), (None, None, 0), (0, None, None), (-1, None, -1)):
+        check_vmap(f, [x, mask, src], dims)   # (a batched mask could select more than 3)
+    # combinations' gradient reaches it this way
+    y = torch.randn(4)
+    out, vjp_fn = ft.vjp(lambda a: torch.combinations(a, 2), y)
+    cts = torch.randn(3, *out.shape)
+    with ft.config.strict_fallback():
+        got, = ft.vmap(vjp_fn)(cts)
+    assert_same(got, torch.stack([torch.autograd.grad(
+        torch.combinations(y.requires_grad_(), 2), y, c)[0] for c in cts]))
