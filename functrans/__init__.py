@@ -10,14 +10,17 @@ from .autodiff.vjp import vjp
 from .autodiff.jvp import jvp, linearize
 from .autodiff.jacobians import jacrev, jacfwd, hessian
 from .vmap.report import FallbackReport, batching_coverage, batching_rules, record_fallbacks
+from .nn import Ensemble, functional_call, replace_all_batch_norm_modules_, stack_module_state
 from . import config
 
-for _f in (vmap, grad, grad_and_value, vjp, jvp, linearize, jacrev, jacfwd, hessian):
+for _f in (vmap, grad, grad_and_value, vjp, jvp, linearize, jacrev, jacfwd, hessian,
+           functional_call, stack_module_state, replace_all_batch_norm_modules_):
     _f.__module__ = "functrans"
 del _f
 
 __all__ = ["vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd",
-           "hessian", "config", "record_fallbacks", "FallbackReport", "batching_coverage",
+           "hessian", "functional_call", "stack_module_state", "replace_all_batch_norm_modules_",
+           "Ensemble", "config", "record_fallbacks", "FallbackReport", "batching_coverage",
            "batching_rules", "FunctransError", "TransformArgumentError", "UnsupportedUnderVmap",
            "EscapedBatchedTensorError", "PerformanceWarning"]
 __version__ = "0.1.0"

@@ -211,11 +211,10 @@ def _running_stats_error(op, which):
         f"vmap: {op} in training mode updates {which} in place, but {which} is not batched "
         "while the input is: every example would write its own statistics into the same "
         "buffer. Under vmap each example is its own mini-batch. Either use the module in eval "
-        "mode (module.eval()), or construct the batch norm with track_running_stats=False "
-        "(for an existing model: set track_running_stats=False and running_mean/running_var "
-        "to None on every batch-norm module), or give every example its own buffers by "
-        "batching running_mean/running_var (e.g. stack them per example, as for an ensemble, "
-        "and map over them).")
+        "mode (module.eval()), or stop tracking running stats "
+        "(functrans.replace_all_batch_norm_modules_(model) does it for every batch norm of a "
+        "model), or give every example its own buffers by batching running_mean/running_var "
+        "(functrans.stack_module_state / functrans.Ensemble stack them per member).")
 
 
 def _batch_norm(op, info, in_dims, x, w, b, rm, rv, training, kinds, kernel, writes_stats):

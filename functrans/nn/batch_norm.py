@@ -1,0 +1,25 @@
+"""``replace_all_batch_norm_modules_``: make every BatchNorm of a model usable under vmap.
+
+In training mode, a BatchNorm module updates its running statistics in place.  Under vmap with
+running stats that are NOT batched, each example would update the same buffers differently, so
+vmap refuses it (the error names this function).  This function, like PyTorch's own, switches
+every BatchNorm of ``root`` to not tracking running stats (``running_mean``/``running_var`` set
+to None, ``track_running_stats=False``): training mode then uses the batch's statistics only.
+The alternative that keeps running stats is to batch them: ``stack_module_state`` / ``Ensemble``
+stack each member's buffers, and each member's stats are updated.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+
+def replace_all_batch_norm_modules_(root: nn.Module) -> nn.Module:
+    """In place: every ``nn.modules.batchnorm._BatchNorm`` under ``root`` stops tracking running
+    stats.  Returns ``root``."""
+    for module in root.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.running_mean = None
+            module.running_var = None
+            module.num_batches_tracked = None
+            module.track_running_stats = False
+    return root

@@ -1,0 +1,150 @@
+"""``functional_call``: run a module with parameters and buffers taken from dicts.
+
+Semantics of PyTorch's own ``functional_call``: the module's own tensors are swapped for the given
+ones for the duration of the call (and restored afterwards, also on error), so the call is a
+pure function of the dicts: ``grad``, ``vmap`` and ``jacrev`` can differentiate or batch it.
+* ``parameter_and_buffer_dicts``: one dict or a sequence of dicts of ``name -> tensor``; a name in
+  two dicts is an error.  Names are dotted paths (``"encoder.0.weight"``); a name may also name a
+  plain tensor attribute.
+* ``strict=True``: the dicts must give exactly the module's parameters and buffers.
+* ``tie_weights=True``: names that share one tensor in the module (tied weights) stay tied: giving
+  one of them gives all; giving two of them different tensors is an error.
+* Buffers that the forward updates in place (BatchNorm's running stats) are updated in the
+  tensors you passed, as in PyTorch's own.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from ..errors import TransformArgumentError
+
+Dicts = Union[Mapping[str, torch.Tensor], Sequence[Mapping[str, torch.Tensor]]]
+
+
+def _merge(dicts: Dicts) -> Dict[str, torch.Tensor]:
+    if isinstance(dicts, Mapping):
+        return dict(dicts)
+    if not isinstance(dicts, (list, tuple)) or not all(isinstance(d, Mapping) for d in dicts):
+        raise TransformArgumentError(
+            "functional_call: parameter_and_buffer_dicts must be a dict of name -> tensor, or a "
+            f"list/tuple of such dicts; got {type(dicts).__name__}.")
+    merged: Dict[str, torch.Tensor] = {}
+    for d in dicts:
+        twice = sorted(set(d) & set(merged))
+        if twice:
+            raise TransformArgumentError(
+                f"functional_call: {twice} appeared in more than one of the dicts, so which "
+                "value to use is ambiguous. Give each name in exactly one dict.")
+        merged.update(d)
+    return merged
+
+
+def _tied_names(module: nn.Module) -> Dict[str, List[str]]:
+    """name -> every name (itself included) that refers to the same tensor in ``module``."""
+    by_tensor: Dict[int, List[str]] = {}
+    named = list(module.named_parameters(remove_duplicate=False)) + \
+        list(module.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        by_tensor.setdefault(id(t), []).append(name)
+    return {name: by_tensor[id(t)] for name, t in named}
+
+
+def _expand_ties(module: nn.Module, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    tied = _tied_names(module)
+    out = dict(values)
+    for name, value in values.items():
+        for other in tied.get(name, [name]):
+            if other == name:
+                continue
+            if other in values and values[other] is not value:
+                raise TransformArgumentError(
+                    f"functional_call: got different values for {name!r} and {other!r}, which "
+                    "are tied (the same tensor) in the module. Give one of them, or pass "
+                    "tie_weights=False to untie them for this call.")
+            out[other] = value
+    return out
+
+
+def _check_strict(module: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    expected = {n for n, _ in module.named_parameters(remove_duplicate=False)} | \
+        {n for n, _ in module.named_buffers(remove_duplicate=False)}
+    missing = sorted(expected - set(values))
+    unexpected = sorted(set(values) - expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing key(s): {missing}")
+        if unexpected:
+            parts.append(f"unexpected key(s): {unexpected}")
+        raise TransformArgumentError(
+            "functional_call(strict=True): the dicts must give exactly the module's parameters "
+            "and buffers; " + "; ".join(parts) + ".")
+
+
+def _owner(module: nn.Module, name: str) -> Tuple[nn.Module, str]:
+    *path, leaf = name.split(".")
+    owner = module
+    for i, part in enumerate(path):
+        child = getattr(owner, part, None)
+        if not isinstance(child, nn.Module):
+            raise TransformArgumentError(
+                f"functional_call: {name!r} does not name a tensor of the module: "
+                f"{'.'.join(path[:i + 1])!r} is not a submodule.")
+        owner = child
+    return owner, leaf
+
+
+@contextlib.contextmanager
+def swapped_tensors(module: nn.Module, values: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Within the block, ``module``'s tensors named in ``values`` are the given tensors."""
+    undo: List[Tuple[Dict[str, Any], str, Any, bool]] = []
+    try:
+        for name, value in values.items():
+            owner, leaf = _owner(module, name)
+            for table in (owner._parameters, owner._buffers):
+                if leaf in table:
+                    undo.append((table, leaf, table[leaf], True))
+                    table[leaf] = value
+                    break
+            else:
+                had = leaf in owner.__dict__
+                undo.append((owner.__dict__, leaf, owner.__dict__.get(leaf), had))
+                owner.__dict__[leaf] = value
+        yield
+    finally:
+        for table, leaf, old, had in reversed(undo):
+            if had:
+                table[leaf] = old
+            else:
+                table.pop(leaf, None)
+
+
+def functional_call(module: nn.Module, parameter_and_buffer_dicts: Dicts,
+                    args: Union[Any, Tuple] = None, kwargs: Dict[str, Any] = None, *,
+                    tie_weights: bool = True, strict: bool = False):
+    """Call ``module(*args, **kwargs)`` with its parameters and buffers replaced by the
+    tensors in ``parameter_and_buffer_dicts`` (see the module docstring)."""
+    if not isinstance(module, nn.Module):
+        raise TransformArgumentError(
+            f"functional_call: expected an nn.Module as the first argument, got "
+            f"{type(module).__name__}.")
+    values = _merge(parameter_and_buffer_dicts)
+    for name, v in values.items():
+        if not isinstance(v, torch.Tensor):
+            raise TransformArgumentError(
+                f"functional_call: the value for {name!r} is a {type(v).__name__}; every value "
+                "must be a tensor.")
+    if tie_weights:
+        values = _expand_ties(module, values)
+    if strict:
+        _check_strict(module, values)
+    if args is None:
+        args = ()
+    elif not isinstance(args, tuple):
+        args = (args,)
+    with swapped_tensors(module, values):
+        return module(*args, **(kwargs or {}))

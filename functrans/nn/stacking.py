@@ -1,0 +1,135 @@
+"""Stacking N models into one batched state: ``stack_module_state`` and ``Ensemble``.
+
+``stack_module_state(models)`` returns ``(params, buffers)``: for every name, the N models'
+tensors stacked along a new leading dim.  Parameters are new leaf tensors (they require grad when
+the models' do), so a ``torch.optim`` optimizer can update them directly; buffers are stacked
+values.  ``Ensemble`` owns such a state and a copy of the first model as the skeleton, and runs
+every member with one ``vmap`` over the stacked state.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..errors import TransformArgumentError
+
+
+def _stack(name: str, tensors: Sequence[torch.Tensor], kind: str) -> torch.Tensor:
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) != 1:
+        raise TransformArgumentError(
+            f"stack_module_state: the {kind} {name!r} has different shapes across the models "
+            f"({sorted(shapes)}); models of one ensemble must have the same architecture.")
+    grads = {t.requires_grad for t in tensors}
+    if len(grads) != 1:
+        raise TransformArgumentError(
+            f"stack_module_state: the {kind} {name!r} requires grad in some models and not in "
+            "others; freeze or unfreeze it in all of them.")
+    stacked = torch.stack([t.detach() for t in tensors])
+    return stacked.requires_grad_() if grads.pop() and kind == "parameter" else stacked
+
+
+def stack_module_state(models: Sequence[nn.Module]
+                       ) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """``(params, buffers)`` of ``models`` stacked along a new leading dim (see the module
+    docstring).  The models must share class, training mode and parameter/buffer names and
+    shapes."""
+    models = list(models)
+    if not models:
+        raise TransformArgumentError("stack_module_state: expected at least one model, got 0.")
+    if not all(isinstance(m, nn.Module) for m in models):
+        raise TransformArgumentError("stack_module_state: every element must be an nn.Module.")
+    kinds = {type(m) for m in models}
+    if len(kinds) != 1:
+        raise TransformArgumentError(
+            "stack_module_state: the models must all be of one class; got "
+            f"{sorted(k.__name__ for k in kinds)}.")
+    if len({m.training for m in models}) != 1:
+        raise TransformArgumentError(
+            "stack_module_state: some models are in training mode and some in eval mode; call "
+            ".train() or .eval() on all of them first.")
+    names0 = [n for n, _ in models[0].named_parameters()]
+    bnames0 = [n for n, _ in models[0].named_buffers()]
+    for i, m in enumerate(models[1:], 1):
+        if [n for n, _ in m.named_parameters()] != names0 or \
+                [n for n, _ in m.named_buffers()] != bnames0:
+            raise TransformArgumentError(
+                f"stack_module_state: model {i} has different parameter or buffer names than "
+                "model 0; models of one ensemble must have the same architecture.")
+    all_params = [dict(m.named_parameters()) for m in models]
+    all_buffers = [dict(m.named_buffers()) for m in models]
+    params = {n: _stack(n, [p[n] for p in all_params], "parameter") for n in names0}
+    buffers = {n: _stack(n, [b[n] for b in all_buffers], "buffer") for n in bnames0}
+    return params, buffers
+
+
+class Ensemble:
+    """N models of one architecture evaluated together with one ``vmap``.
+
+    >>> ens = Ensemble([make_model() for _ in range(8)])          # doctest: +SKIP
+    >>> ens(x)                      # one minibatch shared by every member -> [8, ...]
+    >>> ens(xs, shared=False)       # xs[i] goes to member i
+    >>> opt = torch.optim.Adam(ens.parameters(), lr=1e-3)         # trains all 8 at once
+
+    ``params`` / ``buffers`` are the stacked state (see ``stack_module_state``); buffers such as
+    BatchNorm's running stats are updated per member in training mode.  ``members()`` returns
+    ordinary modules holding each member's current values.
+    """
+
+    def __init__(self, models: Sequence[nn.Module], *, randomness: str = "error",
+                 chunk_size: Optional[int] = None):
+        self.params, self.buffers = stack_module_state(models)
+        self.size = len(models)
+        self.randomness = randomness
+        self.chunk_size = chunk_size
+        self._skeleton = copy.deepcopy(models[0])
+
+    def __len__(self) -> int:
+        return self.size
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        return iter(self.params.values())
+
+    def named_parameters(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        return iter(self.params.items())
+
+    def train(self, mode: bool = True) -> "Ensemble":
+        self._skeleton.train(mode)
+        return self
+
+    def eval(self) -> "Ensemble":
+        return self.train(False)
+
+    def __call__(self, *args, shared: bool = True, **kwargs):
+        """Every member on ``args``: the same inputs for all (``shared=True``) or input ``i``
+        along dim 0 for member ``i`` (``shared=False``).  Outputs gain a leading member dim."""
+        from ..nn.functional_call import functional_call
+        from ..vmap.api import vmap
+        if not shared:
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor) and (a.dim() == 0 or a.shape[0] != self.size):
+                    raise TransformArgumentError(
+                        f"Ensemble(shared=False): argument {i} has shape {tuple(a.shape)}; its "
+                        f"dim 0 must be the number of members ({self.size}).")
+        skeleton = self._skeleton
+
+        def one(params, buffers, *a):
+            return functional_call(skeleton, (params, buffers), a, kwargs)
+
+        data_dims = tuple(None if shared or not isinstance(a, torch.Tensor) else 0 for a in args)
+        return vmap(one, in_dims=(0, 0) + data_dims, randomness=self.randomness,
+                    chunk_size=self.chunk_size)(self.params, self.buffers, *args)
+
+    def members(self) -> List[nn.Module]:
+        """Each member as an ordinary module with its current parameters and buffers."""
+        out = []
+        for i in range(self.size):
+            m = copy.deepcopy(self._skeleton)
+            state = {n: t[i].detach().clone() for n, t in self.params.items()}
+            state.update({n: t[i].clone() for n, t in self.buffers.items()})
+            m.load_state_dict(state, strict=False)
+            out.append(m)
+        return out
