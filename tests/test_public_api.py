@@ -38,7 +38,7 @@ def test_all_and_signatures_match_torch_func():
     import inspect
     import torch.func
     names = ["vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd",
-             "hessian"]
+             "hessian", "functional_call", "stack_module_state", "replace_all_batch_norm_modules_"]
     assert set(names) <= set(functrans.__all__)
     for name in names:
         ours = inspect.signature(getattr(functrans, name)).parameters
