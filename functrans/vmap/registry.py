@@ -157,6 +157,7 @@ def rules_file(op: torch._ops.OpOverload) -> str:
 # Where a rule for an op without one belongs, by the words in its name (first match wins).
 _FAMILY_WORDS = (
     ("rnn", "rnn"), ("lstm", "rnn"), ("gru", "rnn"), ("attention", "attention"),
+    ("transformer", "attention"), ("_sdp", "attention"),
     ("conv", "conv"), ("unpool", "pooling"), ("pool", "pooling"), ("upsample", "upsample"),
     ("grid_sampler", "spatial"), ("im2col", "spatial"), ("col2im", "spatial"),
     ("pixel_", "spatial"), ("_pad", "padding"), ("norm", "norms"), ("embedding", "embedding"),

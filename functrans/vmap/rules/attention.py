@@ -76,3 +76,37 @@ def flash_attention_cpu_backward_rule(info, in_dims, grad, q, k, v, out, lse, dr
     grads = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
         *folded, dropout_p, is_causal, attn_mask=_fold_mask(attn_mask, B), scale=scale)
     return tuple(_unfold(t, B) for t in grads), (0, 0, 0)
+
+
+# nn.TransformerEncoderLayer's inference fast path: one fused kernel over [N, S, E].  With shared
+# weights the vmap batch joins N (an example without its own N is [S, E], and the batch is N).
+_FFN_LAST = 17  # in_dims index of ffn_bias_2; mask and mask_type follow
+
+
+@register_batch_rule(aten._transformer_encoder_layer_fwd.default)
+def transformer_encoder_layer_fwd_rule(info, in_dims, src, embed_dim, num_heads, *rest,
+                                       mask=None, mask_type=None):
+    B = info.batch_size
+    if len(rest) > 15:
+        mask = rest[15]
+    if len(rest) > 16:
+        mask_type = rest[16]
+    weights = rest[:15]
+    batched_rest = any(d is not None for d in in_dims[1:])
+    if in_dims[0] is None or batched_rest:
+        raise Decline()  # batched weights or a batched mask: the loop
+    x = ensure_bdim_front(src, in_dims[0], B)
+    if x.dim() == 3:      # examples are [S, E]: the vmap batch is N
+        n, folded = None, x
+    elif x.dim() == 4:
+        n = x.shape[1]
+        folded = x.reshape(B * n, *x.shape[2:])
+        if mask is not None and mask_type == 1:   # a key padding mask [N, S], one per sequence
+            mask = mask.repeat(B, 1)
+        elif mask is not None and mask_type not in (0,):
+            raise Decline()
+    else:
+        raise Decline()
+    out = aten._transformer_encoder_layer_fwd.default(folded, embed_dim, num_heads, *weights,
+                                                      mask, mask_type)
+    return (out, 0) if n is None else (out.view(B, n, *out.shape[1:]), 0)
