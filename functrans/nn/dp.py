@@ -30,14 +30,16 @@ Building blocks (also usable on their own, e.g. under ``DistributedDataParallel`
 ``per_sample_grads``, ``clip_and_sum``, ``add_gaussian_noise``, ``assign_grads`` (writes a
 gradient dict into ``p.grad`` so any ``torch.optim`` optimizer can step) and
 ``surrogate_loss`` (a scalar whose backward puts a given gradient dict into ``p.grad``, which is
-how DDP can be made to all-reduce DP-SGD gradients).
+how DDP can be made to all-reduce DP-SGD gradients: each rank backwards the surrogate of its
+local clipped sum, rank 0's with the noise, times the world size, anchored to a forward through
+the DDP wrapper; DDP's averaging all-reduce then yields the global noisy sum).
 
 The model must be functional per example: no BatchNorm in training mode (its statistics would
 mix examples, which DP-SGD forbids anyway); buffers are passed through unbatched.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -80,16 +82,27 @@ def _batch_size(batch: tuple) -> int:
     return sizes.pop()
 
 
-def per_sample_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch) -> Grads:
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a (Distributed)DataParallel wrapper: per-example gradients must run the
+    plain module (the wrapper's forward would scatter / arm its reducer)."""
+    wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+    return model.module if isinstance(model, wrappers) else model
+
+
+def per_sample_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, *,
+                     randomness: str = "different") -> Grads:
     """``{name: g}`` with ``g[i]`` the gradient of example ``i``'s loss w.r.t. parameter ``name``.
 
     ``batch`` is ``(inputs, targets)`` (or any tuple of tensors batched along dim 0); the loss
     of example ``i`` is ``loss_fn(model(inputs[i:i+1]), targets[i:i+1])`` (extra tensors are
     passed to ``loss_fn`` the same way).  Only parameters with ``requires_grad`` get gradients.
+    ``randomness`` is vmap's: ``"different"`` (default) gives every example its own dropout mask,
+    as a per-example loop would.
     """
     from .functional_call import functional_call
 
     batch = _as_tuple(batch)
+    model = _unwrap(model)
     params, rest = _trainable(model)
 
     def example_loss(p, r, x, *others):
@@ -97,7 +110,7 @@ def per_sample_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], bat
         return loss_fn(out, *(o.unsqueeze(0) for o in others))
 
     in_dims = (None, None) + (0,) * len(batch)
-    return vmap(grad(example_loss), in_dims=in_dims)(params, rest, *batch)
+    return vmap(grad(example_loss), in_dims=in_dims, randomness=randomness)(params, rest, *batch)
 
 
 def clip_and_sum(per_sample: Mapping[str, torch.Tensor], max_norm: float
@@ -167,22 +180,26 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, 
                  max_norm: float, noise_multiplier: float,
                  generator: Optional[torch.Generator] = None, seed: Optional[int] = None,
                  reduction: str = "sum", distributed: bool = False, process_group=None,
-                 noise_rank: int = 0, return_norms: bool = False):
+                 noise_rank: int = 0, return_norms: bool = False,
+                 randomness: str = "different"):
     """The privatized gradient of one DP-SGD step (see the module docstring for the recipe).
 
     Returns ``{name: noisy clipped gradient}`` for the trainable parameters (plus the
     per-example norms before clipping, of this rank's examples, if ``return_norms``).
     ``reduction``: ``"sum"`` (the noisy sum) or ``"mean"`` (divided by the global batch size).
     ``distributed=True`` (or a ``process_group``): all-reduce the clipped sums across the group;
-    only rank ``noise_rank`` adds noise (from its ``generator``/``seed``).
+    only rank ``noise_rank`` (a rank within the group) adds noise, from its ``generator``/``seed``.
+    ``randomness``: see ``per_sample_grads`` (dropout masks per example).
     """
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean'; got {reduction!r}")
     if noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be >= 0; got {noise_multiplier}")
+    gen = _generator(generator, seed)
     batch = _as_tuple(batch)
     n = _batch_size(batch)
-    sums, norms = clip_and_sum(per_sample_grads(model, loss_fn, batch), max_norm)
+    per_sample = per_sample_grads(model, loss_fn, batch, randomness=randomness)
+    sums, norms = clip_and_sum(per_sample, max_norm)
 
     distributed = distributed or process_group is not None
     adds_noise = True
@@ -193,8 +210,7 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, 
         dist.all_reduce(count, op=dist.ReduceOp.SUM, group=process_group)
         n = int(count.item())
     if adds_noise:
-        sums = add_gaussian_noise(sums, noise_multiplier * max_norm,
-                                  generator=_generator(generator, seed))
+        sums = add_gaussian_noise(sums, noise_multiplier * max_norm, generator=gen)
     if distributed:
         sums = _all_reduce_sum(sums, process_group)
     if reduction == "mean":
@@ -205,8 +221,9 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, 
 def assign_grads(model: nn.Module, grads: Mapping[str, torch.Tensor], *,
                  accumulate: bool = False) -> None:
     """Write ``grads`` into ``p.grad`` of the model's parameters (by name), so that any torch
-    optimizer can ``step()``.  ``accumulate=True`` adds to an existing ``p.grad`` instead."""
-    named = dict(model.named_parameters())
+    optimizer can ``step()``.  ``accumulate=True`` adds to an existing ``p.grad`` instead.
+    ``model`` may be a (Distributed)DataParallel wrapper (names are the inner module's)."""
+    named = dict(_unwrap(model).named_parameters())
     unknown = sorted(set(grads) - set(named))
     if unknown:
         raise KeyError(f"assign_grads: the model has no parameters named {unknown}")
@@ -220,14 +237,22 @@ def assign_grads(model: nn.Module, grads: Mapping[str, torch.Tensor], *,
 
 
 def surrogate_loss(model: nn.Module, grads: Mapping[str, torch.Tensor], *,
-                   scale: float = 1.0) -> torch.Tensor:
+                   scale: float = 1.0, anchor: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A scalar ``scale * sum_p <p, grads[p]>``: its backward puts ``scale * grads[name]`` into
-    the ``.grad`` of each named parameter.  Under ``DistributedDataParallel`` (which averages the
-    gradients over ranks) use ``scale=world_size`` so that DDP's all-reduce yields the SUM of the
-    ranks' clipped gradients.  ``model`` may be the DDP wrapper or the module itself."""
-    inner = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) \
-        else model
-    named = dict(inner.named_parameters())
+    the ``.grad`` of each named parameter.  ``model`` may be a DDP wrapper or the module itself.
+
+    Under ``DistributedDataParallel`` (which AVERAGES gradients over the ranks): use
+    ``scale=world_size`` so that DDP's all-reduce yields the SUM of the ranks' clipped gradients,
+    and pass as ``anchor`` an output of a forward through the DDP wrapper in this step.  DDP's
+    reducer only expects gradients after its own forward: a backward of the surrogate alone
+    all-reduces nothing (every rank silently keeps its local gradient).  The anchor enters as
+    ``0 * anchor.sum()``, so it contributes exact zeros to the gradients (as long as the forward
+    is finite).
+    """
+    named = dict(_unwrap(model).named_parameters())
     terms = [(named[name] * g.detach().to(named[name].dtype)).sum()
              for name, g in grads.items()]
-    return scale * torch.stack(terms).sum()
+    loss = scale * torch.stack(terms).sum()
+    if anchor is not None:
+        loss = loss + 0.0 * anchor.sum()
+    return loss
