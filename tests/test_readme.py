@@ -31,3 +31,5 @@ def test_readme_examples_run(capsys):
     members = ens.members()
     torch.testing.assert_close(out, torch.stack([m(xs) for m in members]), rtol=1e-5,
                                atol=1e-6)
+    # the DP-SGD example produced one noisy gradient per parameter
+    assert set(ns["noisy"]) == {n for n, _ in ns["model"].named_parameters()}
