@@ -46,6 +46,7 @@ from torch import nn
 
 from ..autodiff.grad import grad
 from ..vmap.api import vmap
+from .functional_call import functional_call
 
 __all__ = ["per_sample_grads", "clip_and_sum", "add_gaussian_noise", "dp_sgd_grads",
            "assign_grads", "surrogate_loss", "CLIP_EPS"]
@@ -99,8 +100,6 @@ def per_sample_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], bat
     ``randomness`` is vmap's: ``"different"`` (default) gives every example its own dropout mask,
     as a per-example loop would.
     """
-    from .functional_call import functional_call
-
     batch = _as_tuple(batch)
     model = _unwrap(model)
     params, rest = _trainable(model)

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from ..errors import TransformArgumentError
+from ..vmap.api import vmap
+from .functional_call import functional_call
 
 
 def _stack(name: str, tensors: Sequence[torch.Tensor], kind: str) -> torch.Tensor:
@@ -106,8 +108,6 @@ class Ensemble:
     def __call__(self, *args, shared: bool = True, **kwargs):
         """Every member on ``args``: the same inputs for all (``shared=True``) or input ``i``
         along dim 0 for member ``i`` (``shared=False``).  Outputs gain a leading member dim."""
-        from ..nn.functional_call import functional_call
-        from ..vmap.api import vmap
         if not shared:
             for i, a in enumerate(args):
                 if isinstance(a, torch.Tensor) and (a.dim() == 0 or a.shape[0] != self.size):
@@ -126,10 +126,11 @@ class Ensemble:
     def members(self) -> List[nn.Module]:
         """Each member as an ordinary module with its current parameters and buffers."""
         out = []
-        for i in range(self.size):
-            m = copy.deepcopy(self._skeleton)
-            state = {n: t[i].detach().clone() for n, t in self.params.items()}
-            state.update({n: t[i].clone() for n, t in self.buffers.items()})
-            m.load_state_dict(state, strict=False)
-            out.append(m)
+        with torch.no_grad():
+            for i in range(self.size):
+                m = copy.deepcopy(self._skeleton)
+                own = {**dict(m.named_parameters()), **dict(m.named_buffers())}
+                for name, stacked in {**self.params, **self.buffers}.items():
+                    own[name].copy_(stacked[i])
+                out.append(m)
         return out

@@ -11,7 +11,7 @@ functional op serves the others:
   result whose dtype cannot be cast to ``self``'s raises.
 * ``foo.out`` (``out=`` keyword arguments): run ``foo``'s rule and ``copy_`` each result into the
   physical value of its ``out`` tensor.  An ``out`` of the wrong shape would have to be resized,
-  which a batched tensor cannot do per example: the rule declines and the loop fallback resizes.
+  which a batched tensor cannot do per example: that raises an error saying so.
 
 The counterpart is found by schema, never by guessing: its arguments must be the variant's
 arguments minus the written ones, with the same names and types.  The dispatcher resolves
@@ -22,7 +22,9 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import torch
+from torch.utils._pytree import tree_map_only
 
+from ..errors import UnsupportedUnderVmap
 from .helpers import match_bdim
 
 aten = torch.ops.aten
@@ -90,18 +92,10 @@ def derive_rule(op: torch._ops.OpOverload, find_rule):
     return rule
 
 
-def _clone_tree(out):
-    if isinstance(out, torch.Tensor):
-        return out.clone()
-    if isinstance(out, (tuple, list)):
-        return type(out)(_clone_tree(o) for o in out)
-    return out
-
-
 def _copy_rule(op, base, base_rule):
     def rule(info, in_dims, /, *args, **kwargs):
         out, dims = base_rule(info, in_dims, *args, **kwargs)
-        return _clone_tree(out), dims
+        return tree_map_only(torch.Tensor, torch.clone, out), dims
     return rule
 
 
@@ -111,14 +105,21 @@ def _check_cast(op, result: torch.Tensor, target: torch.Tensor) -> None:
                            f"output type {target.dtype}")
 
 
-def _write(op, info, results, result_dims, targets, target_dims) -> None:
-    """Check every (result, target) pair first, then write: a decline never half-writes."""
+def _write(op, info, results, result_dims, targets, target_dims, *, is_out: bool) -> None:
+    """Check every (result, target) pair first, then write: nothing is ever half-written."""
     from .registry import Decline
     values = [match_bdim(r, rd, td, info.batch_size)
               for r, rd, td in zip(results, result_dims, target_dims)]
-    for v, t in zip(values, targets):
+    for v, t, td in zip(values, targets, target_dims):
         if v.shape != t.shape:
-            raise Decline()  # eager would resize (out=) or raise (in-place): the loop does either
+            if not is_out:
+                raise Decline()  # eager raises its own error for this self: the loop does
+            shape = lambda x: tuple(x.shape[:td]) + tuple(x.shape[td + 1:])  # noqa: E731
+            raise UnsupportedUnderVmap(
+                f"vmap: {op} got an out= tensor of shape {shape(t)} per example for a result "
+                f"of shape {shape(v)}. Eager PyTorch would resize it, but a batched out= "
+                "tensor cannot be resized per example. Allocate it with the result's shape "
+                "(e.g. torch.empty_like of an input of that shape), or drop out=.")
         _check_cast(op, v, t)
     for v, t in zip(values, targets):
         t.copy_(v)
@@ -130,7 +131,7 @@ def _inplace_rule(op, base, base_rule):
         if in_dims[0] is None:
             raise Decline()
         out, dim = base_rule(info, in_dims, *args, **kwargs)
-        _write(op, info, [out], [dim], [args[0]], [in_dims[0]])
+        _write(op, info, [out], [dim], [args[0]], [in_dims[0]], is_out=False)
         return args[0], in_dims[0]
     return rule
 
@@ -155,7 +156,7 @@ def _out_rule(op, base, base_rule):
         odims = [out_dims] if isinstance(out, torch.Tensor) else list(out_dims)
         if len(outs) != len(targets):
             raise Decline()
-        _write(op, info, outs, odims, targets, dims)
+        _write(op, info, outs, odims, targets, dims, is_out=True)
         if len(targets) == 1:
             return targets[0], dims[0]
         return tuple(targets), tuple(dims)

@@ -73,3 +73,12 @@ def first_bdim(in_dims: Sequence) -> Optional[int]:
         if d is not None:
             return d
     return None
+
+
+def keep_bdim_rule(op):
+    """A rule for an op that acts on each element (or on the whole tensor) without looking at
+    dims, with the batched tensor first: run it on the physical value, keep the bdim."""
+    def rule(info, in_dims, x, *args, **kwargs):
+        return op(x, *args, **kwargs), in_dims[0]
+    rule.__name__ = f"keep_bdim_rule[{op}]"
+    return rule

@@ -2,8 +2,8 @@
 
 Every other op reached under vmap has a rule, a derived rule, or a decomposition (the full OpInfo
 sweep lists any op that falls back and is not here).  The fallback's warning quotes the reason,
-so a user who meets one knows it is deliberate.  Keys are ``packet.overload`` names (with a
-``namespace::`` prefix outside aten).  Ops that DO have a rule but decline some arguments say so
+so a user who meets one knows it is deliberate.  Keys are ``str(op)``
+(``aten.resize_.default``), the names the fallback report and ``batching_rules()`` print.  Ops that DO have a rule but decline some arguments say so
 in their family's docstring (e.g. group norm's non-contiguous weights, histogram without a
 range) and in the fallback warning.
 """
@@ -21,28 +21,22 @@ _LCE = ("the chunked path of F.linear_cross_entropy (a private torch_nn op, new 
         "has no rule yet; its unchunked path is batched by rules")
 
 NO_RULE: Dict[str, str] = {
-    "adaptive_max_pool3d.default": _SEGFAULT,
-    "adaptive_max_pool3d_backward.default": _SEGFAULT,
-    "resize_.default": _RESIZE,
-    "resize.default": _RESIZE,
-    "resize_as.default": _RESIZE,
-    "resize_as_.default": _RESIZE,
-    "_cudnn_rnn.default": _GPU_ONLY,
-    "_cudnn_rnn_backward.default": _GPU_ONLY,
-    "cudnn_batch_norm.default": _GPU_ONLY,
-    "cudnn_batch_norm_backward.default": _GPU_ONLY,
-    "miopen_batch_norm.default": _GPU_ONLY,
-    "torch_nn::_linear_cross_entropy_batch_chunked.default": _LCE,
-    "torch_nn::_linear_cross_entropy_batch_chunked_no_reduction.default": _LCE,
+    "aten.adaptive_max_pool3d.default": _SEGFAULT,
+    "aten.adaptive_max_pool3d_backward.default": _SEGFAULT,
+    "aten.resize_.default": _RESIZE,
+    "aten.resize.default": _RESIZE,
+    "aten.resize_as.default": _RESIZE,
+    "aten.resize_as_.default": _RESIZE,
+    "aten._cudnn_rnn.default": _GPU_ONLY,
+    "aten._cudnn_rnn_backward.default": _GPU_ONLY,
+    "aten.cudnn_batch_norm.default": _GPU_ONLY,
+    "aten.cudnn_batch_norm_backward.default": _GPU_ONLY,
+    "aten.miopen_batch_norm.default": _GPU_ONLY,
+    "torch_nn._linear_cross_entropy_batch_chunked.default": _LCE,
+    "torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default": _LCE,
 }
-
-
-def key(op) -> str:
-    """``packet.overload`` for aten ops, ``namespace::packet.overload`` for others."""
-    name = f"{op.overloadpacket.__name__}.{op._overloadname}"
-    return name if op.namespace == "aten" else f"{op.namespace}::{name}"
 
 
 def reason(op) -> str:
     """The reason ``op`` has no rule on purpose, or ''."""
-    return NO_RULE.get(key(op), "")
+    return NO_RULE.get(str(op), "")

@@ -47,8 +47,12 @@ def _changed() -> None:
     _generation[0] += 1
 
 
-def _family_of_rule(fn: Callable) -> str:
-    return getattr(fn, "__module__", "?").rsplit(".", 1)[-1]
+def _registering_module() -> str:
+    """The last part of the name of the module that called the register function (two frames
+    up): a rule belongs to the family file that registers it, even when a factory defined
+    elsewhere (helpers.keep_bdim_rule, spatial.fold_into_n_rule) built it."""
+    import sys
+    return sys._getframe(2).f_globals.get("__name__", "?").rsplit(".", 1)[-1]
 
 
 def register_batch_rule(ops, rule: Optional[Rule] = None, *, family: Optional[str] = None,
@@ -56,16 +60,16 @@ def register_batch_rule(ops, rule: Optional[Rule] = None, *, family: Optional[st
     """Register ``rule`` for one op or several (``OpOverload`` or ``OpOverloadPacket``).
 
     Usable as a decorator (``@register_batch_rule(aten.sum.dim_IntList)``) or called directly.
-    ``family`` defaults to the name of the module that defines the rule.  ``checks_inplace``:
+    ``family`` defaults to the name of the module that registers the rule.  ``checks_inplace``:
     the rule itself refuses (or handles) writes into unbatched mutable arguments, so the
     dispatcher's generic refusal is skipped for it (not for the fallback after a Decline).
     """
     if isinstance(ops, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         ops = [ops]
     ops = list(ops)
+    fam = family or _registering_module()
 
     def register(fn: Rule) -> Rule:
-        fam = family or _family_of_rule(fn)
         if checks_inplace:
             fn.checks_inplace = True
         for op in ops:
@@ -86,7 +90,7 @@ def register_batch_rule(ops, rule: Optional[Rule] = None, *, family: Optional[st
 def register_tag_rule(tag: torch.Tag, factory, *, family: Optional[str] = None) -> None:
     """Register ``factory(op) -> rule or None`` for every op carrying ``tag``."""
     _tag_rule_factories[tag] = factory
-    _tag_families[tag] = family or _family_of_rule(factory)
+    _tag_families[tag] = family or _registering_module()
     _changed()
 
 

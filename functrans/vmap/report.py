@@ -108,18 +108,26 @@ class record_fallbacks:
 
 
 def _overload(op: OpLike) -> torch._ops.OpOverload:
+    """An OpOverload from an overload, a packet (its default) or a name: ``str(op)`` as the
+    report prints it (``aten.index_add.default``), ``aten::index_add[.default]`` or
+    ``index_add[.default]``."""
     if isinstance(op, torch._ops.OpOverload):
         return op
-    if isinstance(op, str):
-        name = op.split("::")[-1]
-        packet_name, _, overload = name.partition(".")
-        namespace = op.split("::")[0] if "::" in op else "aten"
-        packet = getattr(getattr(torch.ops, namespace), packet_name)
-        return getattr(packet, overload or "default")
     if isinstance(op, torch._ops.OpOverloadPacket):
-        return getattr(op, "default")
-    raise TypeError(f"batching_coverage: expected an OpOverload, OpOverloadPacket or a name "
-                    f"like 'aten::index_add' or 'index_add.default', got {op!r}")
+        return op.default
+    if isinstance(op, str):
+        namespace, sep, rest = op.partition("::")
+        if not sep:
+            parts = op.split(".")
+            namespace, rest = ("aten", op) if len(parts) < 3 else (parts[0], ".".join(parts[1:]))
+        packet_name, _, overload = rest.partition(".")
+        try:
+            return getattr(getattr(getattr(torch.ops, namespace), packet_name),
+                           overload or "default")
+        except AttributeError:
+            pass
+    raise TypeError(f"batching_coverage: expected an OpOverload, OpOverloadPacket or an op "
+                    f"name like 'aten.index_add.default' or 'aten::index_add', got {op!r}")
 
 
 def batching_coverage(op: OpLike) -> str:

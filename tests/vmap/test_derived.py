@@ -69,11 +69,17 @@ def test_out_named_info_does_not_collide_with_the_rule_signature():
     assert_same(got, loop_oracle(f, (0,), 3, A))
 
 
-def test_out_of_the_wrong_shape_declines_to_the_loop_which_resizes():
+def test_out_of_the_wrong_shape_is_a_clear_error():
     f = lambda a: torch.sin(a, out=torch.empty_like(a[0]).new_empty(0) + a.sum() * 0)
-    with pytest.raises(ft.UnsupportedUnderVmap, match="declined"), \
-            ft.config.strict_fallback():
+    with pytest.raises(ft.UnsupportedUnderVmap, match=r"shape \(0,\) per example .* \(4, 5\)"
+                       r".*cannot be resized"):
         ft.vmap(f)(X)
+
+
+def test_in_place_of_the_wrong_shape_raises_eagers_error():
+    f = lambda a, b: a.clone().add_(b)  # self [5], other [4, 5]: eager cannot write that
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        ft.vmap(f)(X[:, 0], X)
 
 
 def test_derived_rules_report_their_family():

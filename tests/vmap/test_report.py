@@ -90,6 +90,16 @@ def test_batching_coverage(op, how):
     assert functrans.batching_coverage(op) == how
 
 
+def test_batching_coverage_takes_the_names_batching_rules_prints():
+    for name, how in (("aten.convolution.default", "rule"), ("aten::index_add", "rule"),
+                      ("sin.default", "tag"), ("aten.permute_copy.default", "derived")):
+        assert functrans.batching_coverage(name) == how, name
+    assert all(functrans.batching_coverage(n) in ("rule", "tag", "derived")
+               for n in list(functrans.batching_rules())[:50])
+    with pytest.raises(TypeError, match="op name like"):
+        functrans.batching_coverage("aten.no_such_op.default")
+
+
 def test_batching_coverage_rejects_non_ops():
     with pytest.raises(TypeError, match="expected an OpOverload"):
         functrans.batching_coverage(3)

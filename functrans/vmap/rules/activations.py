@@ -38,7 +38,7 @@ _ELEMENTWISE = (
 )
 
 for _op in _ELEMENTWISE:
-    register_batch_rule(_op, pointwise_rule_for(_op), family="activations")
+    register_batch_rule(_op, pointwise_rule_for(_op))
 
 
 @register_batch_rule(aten.glu.default)

@@ -11,22 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from ..helpers import move_bdim_to_front, pad_to_rank
+from ..helpers import keep_bdim_rule, move_bdim_to_front, pad_to_rank
 from ..registry import register_batch_rule
 
 aten = torch.ops.aten
 
 
-def _same_bdim(op):
-    def rule(info, in_dims, x, *args, **kwargs):
-        return op(x, *args, **kwargs), in_dims[0]
-    rule.__name__ = f"same_bdim[{op}]"
-    return rule
-
-
 for _op in (aten.detach.default, aten.alias.default, aten.zero_.default,
             aten.fill_.Scalar):
-    register_batch_rule(_op, _same_bdim(_op))
+    register_batch_rule(_op, keep_bdim_rule(_op))
 
 
 # Note [conjugate and negative bits]

@@ -70,10 +70,8 @@ def _data_dependent_rule_for(op):
     return rule
 
 
-register_tag_rule(torch.Tag.dynamic_output_shape, _dynamic_shape_rule_for,
-                  family="data_dependent")
-register_tag_rule(torch.Tag.data_dependent_output, _data_dependent_rule_for,
-                  family="data_dependent")
+register_tag_rule(torch.Tag.dynamic_output_shape, _dynamic_shape_rule_for)
+register_tag_rule(torch.Tag.data_dependent_output, _data_dependent_rule_for)
 
 
 @register_batch_rule(aten.nonzero_static.default)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ..helpers import move_bdim_to_front, pad_to_rank
-from ..registry import register_batch_rule
+from ..helpers import ensure_bdim_front, keep_bdim_rule, move_bdim_to_front, pad_to_rank
+from ..registry import Decline, register_batch_rule
 
 aten = torch.ops.aten
 
@@ -74,15 +74,8 @@ def new_empty_strided_rule(info, in_dims, x, size, stride, **kwargs):
                                           (max(extent, 1), *stride), **kwargs), 0
 
 
-def _same_bdim(op):
-    def rule(info, in_dims, x, *args):
-        return op(x, *args), in_dims[0]
-    rule.__name__ = f"same_bdim[{op}]"
-    return rule
-
-
 for _op in (aten.zero.default, aten.fill.Scalar):
-    register_batch_rule(_op, _same_bdim(_op))
+    register_batch_rule(_op, keep_bdim_rule(_op))
 
 
 @register_batch_rule(aten.fill.Tensor)
@@ -103,7 +96,6 @@ def fill_tensor_rule(info, in_dims, x, value):
 # points and end - step * (steps - 1 - i) for the rest (logspace: base to those powers).
 
 def _space(info, in_dims, start, end, steps, base, dtype, device):
-    from ..registry import Decline
     dtype = dtype or torch.get_default_dtype()
     if not dtype.is_floating_point:
         raise Decline()  # integer ranges round per element in eager's own way: the loop
@@ -145,8 +137,6 @@ def new_zeros_with_same_feature_meta_rule(info, in_dims, self, other, *,
     """Forward AD's tangent buffer: zeros shaped like ``self``'s leading dims + ``other``'s
     (feature) dims, laid out like ``other``.  The vmap batch is one more leading batch dim of
     ``self``; a batched ``other`` carries its batch inside its own layout."""
-    from ..helpers import ensure_bdim_front
-    from ..registry import Decline
     op = torch.ops.aten._new_zeros_with_same_feature_meta.default
     if in_dims[1] is not None:
         if self_num_batch_dims:

@@ -39,5 +39,4 @@ for _kind in ("reflection", "replication"):
     for _spatial in (1, 2, 3):
         for _suffix in ("", "_backward"):
             _op = getattr(aten, f"{_kind}_pad{_spatial}d{_suffix}").default
-            register_batch_rule(_op, fold_into_n_rule(_op, (_spatial + 1, _spatial + 2)),
-                                family="padding")
+            register_batch_rule(_op, fold_into_n_rule(_op, (_spatial + 1, _spatial + 2)))

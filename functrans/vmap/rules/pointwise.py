@@ -118,7 +118,7 @@ def pointwise_rule_for(op: torch._ops.OpOverload):
     schema = op._schema
     if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
            for a in schema.arguments):
-        return None  # out= variants: the fallback writes into the out tensor per example
+        return None  # out= variants: derived.py's out rule wraps this op's functional rule
     if torch.Tag.nondeterministic_seeded in op.tags:
         return None  # random ops: rules/random.py
     args_schema = schema.arguments
@@ -175,7 +175,7 @@ def pointwise_rule_for(op: torch._ops.OpOverload):
     return rule
 
 
-register_tag_rule(torch.Tag.pointwise, pointwise_rule_for, family="pointwise")
+register_tag_rule(torch.Tag.pointwise, pointwise_rule_for)
 
 # Elementwise ops that PyTorch does not tag pointwise: the same broadcasting rule serves them.
 from ..registry import register_batch_rule  # noqa: E402

@@ -32,12 +32,11 @@ for _name, _spatial in (
         ("_adaptive_avg_pool3d_backward", 3), ("adaptive_max_pool2d", 2),
         ("adaptive_max_pool2d_backward", 2), ("max_unpool2d", 2), ("max_unpool3d", 3)):
     _op = getattr(aten, _name).default
-    register_batch_rule(_op, fold_into_n_rule(_op, (_spatial + 1, _spatial + 2)),
-                        family="pooling")
+    register_batch_rule(_op, fold_into_n_rule(_op, (_spatial + 1, _spatial + 2)))
 
 # fractional_max_pool*_backward read grad, input and indices as contiguous memory.
 for _name, _spatial in (("fractional_max_pool2d_backward", 2),
                         ("fractional_max_pool3d_backward", 3)):
     _op = getattr(aten, _name).default
     register_batch_rule(_op, fold_into_n_rule(_op, (_spatial + 1, _spatial + 2),
-                                              contiguous=True), family="pooling")
+                                              contiguous=True))

@@ -28,6 +28,5 @@ _UPSAMPLES = {  # name -> number of spatial dims
 for _name, _spatial in _UPSAMPLES.items():
     _fwd = getattr(aten, _name).default
     _bwd = getattr(aten, _name + "_backward").default
-    register_batch_rule(_fwd, fold_into_n_rule(_fwd, (_spatial + 2,)), family="upsample")
-    register_batch_rule(_bwd, fold_into_n_rule(_bwd, (_spatial + 2,), size_arg="input_size"),
-                        family="upsample")
+    register_batch_rule(_fwd, fold_into_n_rule(_fwd, (_spatial + 2,)))
+    register_batch_rule(_bwd, fold_into_n_rule(_bwd, (_spatial + 2,), size_arg="input_size"))

@@ -67,6 +67,17 @@ def _alias(x, bdim):
     return aten.alias.default(x), bdim
 
 
+def _example_view_strides(x, b, shape):
+    """The strides of one example's ``view(shape)``, or None when it cannot be a view (or x is
+    a lower level's wrapper, whose memory as_strided cannot address)."""
+    if type(x) is BatchedTensor or x.shape[b] == 0:
+        return None
+    try:
+        return x.select(b, 0).view(shape).stride()
+    except RuntimeError:
+        return None
+
+
 @register_batch_rule([aten.view.default, aten._unsafe_view.default])
 def view_rule(info, in_dims, x, shape):
     b = in_dims[0]
@@ -78,15 +89,12 @@ def view_rule(info, in_dims, x, shape):
         pass
     # See Note [view after moving the bdim] (copied_views.py).
     _check_numel(x, b, shape)
-    try:
-        if type(x) is BatchedTensor:
-            raise RuntimeError("as_strided cannot address a lower level's batched memory")
-        example = x.select(b, 0).view(shape)
-    except RuntimeError:
-        out = y.reshape(new_shape)
-        copied_views.record(out, x)
-        return out, 0
-    return x.as_strided(new_shape, (x.stride(b), *example.stride()), x.storage_offset()), 0
+    strides = _example_view_strides(x, b, shape)
+    if strides is not None:  # each example's view, laid over the batch: still an alias
+        return x.as_strided(new_shape, (x.stride(b), *strides), x.storage_offset()), 0
+    out = y.reshape(new_shape)
+    copied_views.record(out, x)
+    return out, 0
 
 
 @register_batch_rule(aten._reshape_alias.default)

@@ -31,9 +31,10 @@ def test_matches_loop(name):
     check_vmap_all_bdims(f, args)
 
 
-def test_unbatched_conv_input_declines_to_the_correct_fallback():
+def test_conv_input_without_its_own_batch_dim():
     from tests.oracles import check_vmap
-    check_vmap(lambda x, w: F.conv2d(x, w), [r(3, 6, 6), r(4, 3, 3, 3)], (0, None), strict=False)
+    for dims in ((0, None), (-1, 0), (None, 0)):
+        check_vmap(lambda x, w: F.conv2d(x, w), [r(3, 6, 6), r(4, 3, 3, 3)], dims)
 
 
 @pytest.mark.parametrize("name", ["conv2d", "conv_transpose2d", "conv2d_groups_dilation"])

@@ -63,5 +63,7 @@ def test_linspace_logspace_tensor_endpoints(steps):
 def test_integer_linspace_declines_to_the_correct_loop():
     s = torch.tensor([0.0, 1.0, 2.0])
     f = lambda a: torch.linspace(a, 10, 4, dtype=torch.int64)
-    got = ft.vmap(f)(s)
+    with pytest.warns(ft.PerformanceWarning), ft.record_fallbacks() as report:
+        got = ft.vmap(f)(s)
     assert_same(got, torch.stack([f(a) for a in s]))
+    assert any("linspace" in name for name in report.ops)
