@@ -26,6 +26,7 @@ class BatchedTensor(torch.Tensor):
             cls,
             shape[:bdim] + shape[bdim + 1:],
             strides=stride[:bdim] + stride[bdim + 1:],
+            storage_offset=value.storage_offset(),
             dtype=value.dtype,
             device=value.device,
             layout=value.layout,

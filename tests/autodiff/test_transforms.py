@@ -198,3 +198,24 @@ def test_has_aux_for_every_transform():
     assert_same(ft.jacfwd(f, has_aux=True)(x), tf.jacfwd(f, has_aux=True)(x))
     g = lambda a: (f_scalar(a), a.cos())
     assert_same(ft.grad_and_value(g, has_aux=True)(x), tf.grad_and_value(g, has_aux=True)(x))
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: F.linear(x, torch.ones(3, x.shape[-1], dtype=x.dtype, device=x.device)),
+    lambda x: x.view(-1, 1).sin(),
+    lambda x: x[1:].view(2, -1).sum(0),
+    lambda x: x.unsqueeze(0).mT.squeeze(-1)[1:] * 2,
+], ids=["linear", "view", "slice_then_view", "view_chain"])
+def test_forward_mode_on_primals_that_are_views(device, fn):
+    """Regression: a primal that is a view (a row of a batch, as in a loop over examples), or a
+    view of a view inside ``f``, crashed forward AD with PyTorch's internal assert "the tangent
+    [must] have the same layout as primal": the BatchedTensor tangent reported storage offset 0."""
+    X = torch.randn(3, 5, dtype=torch.float64, device=device)
+    row = X[1]
+    assert row._is_view() and row.storage_offset() == 5
+    assert_same(ft.jacfwd(fn)(row), tf.jacfwd(fn)(row))
+    assert_same(ft.jvp(fn, (row,), (torch.ones_like(row),)),
+                tf.jvp(fn, (row,), (torch.ones_like(row),)))
+    assert_same(ft.vmap(ft.jacfwd(fn))(X), tf.vmap(tf.jacfwd(fn))(X))
+    assert_same(ft.hessian(lambda x: fn(x).sum() ** 2)(row),
+                tf.hessian(lambda x: fn(x).sum() ** 2)(row))
