@@ -1,10 +1,18 @@
-"""Benchmarks run with one torch thread; each reports medians via pytest-benchmark.
-
-Run: ``.venv/bin/python -m pytest benchmarks -q`` (ratios are printed by bench_report.py)."""
+"""pytest-benchmark settings: one torch thread on CPU; ``--bench-device cuda`` for a GPU."""
 import pytest
 import torch
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _one_thread():
-    torch.set_num_threads(1)
+def pytest_addoption(parser):
+    parser.addoption("--bench-device", default="cpu", help="device for the benchmarks")
+
+
+@pytest.fixture(scope="session")
+def device(request):
+    dev = torch.device(request.config.getoption("--bench-device"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    torch.manual_seed(0)
+    return dev
