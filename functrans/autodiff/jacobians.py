@@ -80,7 +80,13 @@ def jacrev(func: Callable, argnums: Argnums = 0, *, has_aux: bool = False,
         flat_out, out_spec = tree_flatten(out)
         basis = _basis(flat_out)
         flat_in, in_spec = tree_flatten(primals)
-        if basis and basis[0].shape[0] > 0:
+        if basis and basis[0].shape[0] == 1:
+            # One output element (a scalar loss): one vjp, no vmap.  Besides saving the vmap,
+            # this keeps hessian = jacfwd(jacrev(f)) of a scalar f in forward-over-reverse
+            # mode: a vmap inside a jvp sends the jvp down the double-vjp route.
+            grads = vjp_fn(tree_unflatten([b[0] for b in basis], out_spec))
+            flat_grads = [g.unsqueeze(0) for g in tree_flatten(grads)[0]]
+        elif basis and basis[0].shape[0] > 0:
             grads = vmap(lambda *ct: vjp_fn(tree_unflatten(list(ct), out_spec)),
                          chunk_size=chunk_size)(*basis)
             flat_grads = tree_flatten(grads)[0]

@@ -14,24 +14,30 @@ import torch
 from ..errors import UnsupportedUnderVmap
 
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_STRIDED = torch.strided
+
+
 class BatchedTensor(torch.Tensor):
     value: torch.Tensor
     bdim: int
 
     @staticmethod
     def __new__(cls, value: torch.Tensor, bdim: int, level):
+        # The wrapper describes example 0's view into the physical storage: the logical sizes
+        # and strides, and its storage offset (forward AD compares a view's tangent layout with
+        # its primal's).  Keyword arguments are passed only when they differ from the
+        # defaults: this runs for every op under vmap, and each one costs parsing time.
         shape = value.shape
         stride = value.stride()
-        out = torch.Tensor._make_wrapper_subclass(
-            cls,
-            shape[:bdim] + shape[bdim + 1:],
-            strides=stride[:bdim] + stride[bdim + 1:],
-            storage_offset=value.storage_offset(),
-            dtype=value.dtype,
-            device=value.device,
-            layout=value.layout,
-            requires_grad=False,
-        )
+        size, strides = shape[:bdim] + shape[bdim + 1:], stride[:bdim] + stride[bdim + 1:]
+        offset = value.storage_offset()
+        if offset or value.layout is not _STRIDED:
+            out = _make_wrapper(cls, size, strides=strides, storage_offset=offset,
+                                dtype=value.dtype, device=value.device, layout=value.layout)
+        else:
+            out = _make_wrapper(cls, size, strides=strides, dtype=value.dtype,
+                                device=value.device)
         out.value = value
         out.bdim = bdim
         out.level = level

@@ -49,11 +49,12 @@ _BT = BatchedTensor
 class _OpMeta:
     """Per-op facts computed once: which arguments the op writes to."""
 
-    __slots__ = ("mutable_pos", "mutable_kw", "inplace_view", "random", "returns_self",
+    __slots__ = ("op", "mutable_pos", "mutable_kw", "inplace_view", "random", "returns_self",
                  "returns_none", "checked", "how", "rule", "generation", "name",
-                 "rule_checks_inplace")
+                 "rule_checks_inplace", "uninitialized")
 
     def __init__(self, op: torch._ops.OpOverload):
+        self.op = op  # keeps the overload alive, so its id() stays a valid key
         self.name = str(op)
         self.mutable_pos: List[int] = []
         self.mutable_kw: List[str] = []
@@ -70,19 +71,22 @@ class _OpMeta:
         self.inplace_view = torch.Tag.inplace_view in op.tags
         from .randomness import is_random_op
         self.random = is_random_op(op)
+        self.uninitialized = op in (torch.ops.aten.empty_like.default,
+                                    torch.ops.aten.new_empty.default)
         self.checked = bool(self.mutable_pos or self.mutable_kw or self.random
                             or self.inplace_view)
         self.how, self.rule, self.generation = "none", None, -1
         self.rule_checks_inplace = False
 
 
-_op_meta: Dict[torch._ops.OpOverload, _OpMeta] = {}
+# Keyed by id(op): OpOverload.__hash__ is a Python method, and this lookup runs on every op.
+_op_meta: Dict[int, _OpMeta] = {}
 
 
-def _meta(op) -> _OpMeta:
-    m = _op_meta.get(op)
+def op_meta(op) -> _OpMeta:
+    m = _op_meta.get(id(op))
     if m is None:
-        m = _op_meta[op] = _OpMeta(op)
+        m = _op_meta[id(op)] = _OpMeta(op)
     return m
 
 
@@ -198,7 +202,7 @@ def _resolve(op, meta: _OpMeta) -> None:
     meta.generation = registry.generation()
 
 
-def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
+def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], meta: _OpMeta = None):
     # One pass to find the top level (wrappers of the highest level are unwrapped below).
     level = None
     for a in args:
@@ -222,7 +226,8 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
     if not level.alive and torch._C._current_autograd_node() is None:
         raise _escaped_error(op, level)
 
-    meta = _op_meta.get(op) or _meta(op)
+    if meta is None:
+        meta = _op_meta.get(id(op)) or op_meta(op)
     if meta.generation != registry.generation():
         _resolve(op, meta)
     if meta.how == "cia":

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UnsupportedUnderVmap
 from .batched_tensor import BatchedTensor
-from .dispatch import dispatch
+from .dispatch import _op_meta, dispatch, op_meta
 
 _is_random: Dict[object, bool] = {}
 # Random ops that lack the nondeterministic_seeded tag.
@@ -102,15 +102,16 @@ class VmapRandomMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if is_random_op(func) and draws_random(func, args, kwargs) \
+        meta = _op_meta.get(id(func)) or op_meta(func)
+        if meta.random and draws_random(func, args, kwargs) \
                 and not any(_batched_at(a, self.level) for a in args) \
                 and not any(_batched_at(a, self.level) for a in kwargs.values()):
             return unbatched_random(func, args, kwargs, self.level)
-        if func in _UNINITIALIZED and self.level.randomness == "different" \
+        if meta.uninitialized and self.level.randomness == "different" \
                 and not _batched_at(args[0], self.level):
             return batched_empty(func, args, kwargs, self.level)
         if types == _ONLY_BATCHED:
-            return dispatch(func, args, kwargs)
+            return dispatch(func, args, kwargs, meta)
         return func(*args, **kwargs)
 
 
@@ -170,4 +171,4 @@ def unbatched_random(op, args, kwargs, level):
 _aten = torch.ops.aten
 # Random ops that are not elementwise in their tensor inputs: draw per example instead.
 _LOOP_ONLY = {_aten.multinomial, _aten.randperm, _aten.rrelu_with_noise}
-_UNINITIALIZED = {_aten.empty_like.default, _aten.new_empty.default}
+

@@ -128,6 +128,7 @@ def pointwise_rule_for(op: torch._ops.OpOverload):
     # cannot broadcast: give their unbatched tensors the full batched shape (a stride-0 view).
     is_prim = op.namespace == "prims"
     same_shapes = op.overloadpacket.__name__.endswith("_backward") or is_prim
+    call = getattr(op, "_op", op)  # the C++ callable, without OpOverload.__call__'s frame
 
     def rule(info, in_dims, *args, **kwargs):
         bdim = None
@@ -141,7 +142,7 @@ def pointwise_rule_for(op: torch._ops.OpOverload):
                     break
                 bdim, ndim = d, a.dim()
         if uniform:
-            out = op(*args, **kwargs)
+            out = call(*args, **kwargs)
             return out, (bdim if not isinstance(out, (tuple, list))
                          else type(out)(bdim for _ in out))
 
