@@ -51,7 +51,7 @@ class _OpMeta:
 
     __slots__ = ("op", "mutable_pos", "mutable_kw", "inplace_view", "random", "returns_self",
                  "returns_none", "checked", "how", "rule", "generation", "name",
-                 "rule_checks_inplace", "uninitialized")
+                 "rule_checks_inplace", "uninitialized", "query")
 
     def __init__(self, op: torch._ops.OpOverload):
         self.op = op  # keeps the overload alive, so its id() stays a valid key
@@ -73,11 +73,28 @@ class _OpMeta:
         self.random = is_random_op(op)
         self.uninitialized = op in (torch.ops.aten.empty_like.default,
                                     torch.ops.aten.new_empty.default)
+        self.query = _METADATA_QUERIES.get(op)
         self.checked = bool(self.mutable_pos or self.mutable_kw or self.random
                             or self.inplace_view)
         self.how, self.rule, self.generation = "none", None, -1
         self.rule_checks_inplace = False
 
+
+def _same_size(a, b):
+    return a.shape == b.shape  # the shapes the caller sees: logical at every level
+
+
+def _same_storage_numel(a, b):
+    if type(a) is _BT and type(b) is _BT and a.level is b.level:
+        return None  # both batched at one level: the rule compares the physical storages
+    return a.numel() == b.numel()
+
+
+# Metadata queries forward AD issues around every view of a dual tensor (``has_same_meta``).
+# The randomness mode answers them from the wrappers' own metadata before any dispatching; a
+# None answer means "ask the rule".
+_METADATA_QUERIES = {torch.ops.aten.is_same_size.default: _same_size,
+                     torch.ops.aten._has_same_storage_numel.default: _same_storage_numel}
 
 # Keyed by id(op): OpOverload.__hash__ is a Python method, and this lookup runs on every op.
 _op_meta: Dict[int, _OpMeta] = {}

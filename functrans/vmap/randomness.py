@@ -103,6 +103,10 @@ class VmapRandomMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         meta = _op_meta.get(id(func)) or op_meta(func)
+        if meta.query is not None and types == _ONLY_BATCHED:
+            answer = meta.query(*args)
+            if answer is not None:
+                return answer
         if meta.random and draws_random(func, args, kwargs) \
                 and not any(_batched_at(a, self.level) for a in args) \
                 and not any(_batched_at(a, self.level) for a in kwargs.values()):
