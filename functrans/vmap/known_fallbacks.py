@@ -2,15 +2,22 @@
 
 Every other op reached under vmap has a rule, a derived rule, or a decomposition (the full OpInfo
 sweep lists any op that falls back and is not here).  The fallback's warning quotes the reason,
-so a user who meets one knows it is deliberate.  Keys are ``str(op)``
-(``aten.resize_.default``), the names the fallback report and ``batching_rules()`` print.  Ops that DO have a rule but decline some arguments say so
-in their family's docstring (e.g. group norm's non-contiguous weights, histogram without a
-range) and in the fallback warning.
+so a user who meets one knows it is deliberate.  Keys are ``str(op)`` (``aten.resize_.default``),
+the names the fallback report and ``batching_rules()`` print.  Ops that DO have a rule but
+decline some arguments say so in their family's docstring (e.g. group norm's non-contiguous
+weights, histogram without a range) and in the fallback warning.
+
+Only ops whose ``batching_coverage`` is 'fallback' belong here (``tests/test_registry_hygiene.py``
+fails for any other entry): an op with a decomposition is not listed even when an op it
+decomposes into loops (``aten.resize_as`` decomposes into ``aten.resize``, which is listed;
+``aten.cudnn_batch_norm`` and its backward decompose into batched ops).
 """
 from __future__ import annotations
 
 from typing import Dict
 
+# (The forward, aten.adaptive_max_pool3d, is not listed: vmap runs its torch._decomp
+# decomposition, and only its backward, reached under vmap∘vjp, stays on the loop.)
 _SEGFAULT = ("PyTorch's adaptive_max_pool3d_backward kernel crashed (segfault) on inputs with "
              "the vmap batch folded into N or C; the per-example loop is safe")
 _RESIZE = ("resizes a tensor's storage in place: the examples of a batched tensor share one "
@@ -21,16 +28,12 @@ _LCE = ("the chunked path of F.linear_cross_entropy (a private torch_nn op, new 
         "has no rule yet; its unchunked path is batched by rules")
 
 NO_RULE: Dict[str, str] = {
-    "aten.adaptive_max_pool3d.default": _SEGFAULT,
     "aten.adaptive_max_pool3d_backward.default": _SEGFAULT,
     "aten.resize_.default": _RESIZE,
     "aten.resize.default": _RESIZE,
-    "aten.resize_as.default": _RESIZE,
     "aten.resize_as_.default": _RESIZE,
     "aten._cudnn_rnn.default": _GPU_ONLY,
     "aten._cudnn_rnn_backward.default": _GPU_ONLY,
-    "aten.cudnn_batch_norm.default": _GPU_ONLY,
-    "aten.cudnn_batch_norm_backward.default": _GPU_ONLY,
     "aten.miopen_batch_norm.default": _GPU_ONLY,
     "torch_nn._linear_cross_entropy_batch_chunked.default": _LCE,
     "torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default": _LCE,

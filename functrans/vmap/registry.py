@@ -17,7 +17,8 @@ Resolutions are cached per op; registering a rule clears the cache.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Optional, Set, Tuple, Union
+import functools
+from typing import Callable, Dict, FrozenSet, Iterable, Optional, Set, Tuple, Union
 
 import torch
 
@@ -47,12 +48,29 @@ def _changed() -> None:
     _generation[0] += 1
 
 
+_RULES_PACKAGE = __name__.rsplit(".", 1)[0] + ".rules."   # "functrans.vmap.rules."
+CUSTOM = "custom"   # the family of rules registered outside functrans: they live in user code
+
+
 def _registering_module() -> str:
-    """The last part of the name of the module that called the register function (two frames
-    up): a rule belongs to the family file that registers it, even when a factory defined
-    elsewhere (helpers.keep_bdim_rule, spatial.fold_into_n_rule) built it."""
+    """The family of a rule being registered, from the module that called the register function
+    (two frames up): for a module of ``functrans.vmap.rules`` the last part of its name (a rule
+    belongs to the family file that registers it, even when a factory defined elsewhere,
+    helpers.keep_bdim_rule or spatial.fold_into_n_rule, built it); for any other module (a
+    user's ``__main__`` or ``mylib``) ``"custom"``: its rule lives in the user's own code."""
     import sys
-    return sys._getframe(2).f_globals.get("__name__", "?").rsplit(".", 1)[-1]
+    module = sys._getframe(2).f_globals.get("__name__", "?")
+    if module.startswith(_RULES_PACKAGE):
+        return module[len(_RULES_PACKAGE):].rsplit(".", 1)[-1]
+    return CUSTOM
+
+
+@functools.lru_cache(maxsize=None)
+def functrans_families() -> FrozenSet[str]:
+    """The names of functrans's own rules files (``functrans/vmap/rules/<family>.py``)."""
+    import pathlib
+    rules_dir = pathlib.Path(__file__).resolve().parent / "rules"
+    return frozenset(p.stem for p in rules_dir.glob("*.py") if p.stem != "__init__")
 
 
 def register_batch_rule(ops, rule: Optional[Rule] = None, *, family: Optional[str] = None,
@@ -60,9 +78,11 @@ def register_batch_rule(ops, rule: Optional[Rule] = None, *, family: Optional[st
     """Register ``rule`` for one op or several (``OpOverload`` or ``OpOverloadPacket``).
 
     Usable as a decorator (``@register_batch_rule(aten.sum.dim_IntList)``) or called directly.
-    ``family`` defaults to the name of the module that registers the rule.  ``checks_inplace``:
-    the rule itself refuses (or handles) writes into unbatched mutable arguments, so the
-    dispatcher's generic refusal is skipped for it (not for the fallback after a Decline).
+    ``family`` defaults to the name of the module that registers the rule when that is a module
+    of ``functrans.vmap.rules``, else to ``"custom"`` (messages then say the rule lives in the
+    user's own code).  ``checks_inplace``: the rule itself refuses (or handles) writes into
+    unbatched mutable arguments, so the dispatcher's generic refusal is skipped for it (not for
+    the fallback after a Decline).
     """
     if isinstance(ops, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         ops = [ops]
@@ -151,9 +171,12 @@ def family_of(op: torch._ops.OpOverload) -> str:
 
 def rules_file(op: torch._ops.OpOverload) -> str:
     """Where ``op``'s rule lives or belongs, for messages: a rules file of functrans, or the
-    user's own code for ops outside ``aten``."""
+    user's own code for ops outside ``aten`` and for rules registered outside functrans (any
+    family that is not one of functrans's rules files, e.g. an explicit ``family="mylib"``)."""
     family = family_of(op)
-    if family == "custom":
+    if family == CUSTOM or family not in functrans_families():
+        if find_rule(op)[1] is not None:   # a rule of the user's own (that declined)
+            return "your own code, where its rule is registered"
         return "your own code: register one with functrans.extend.register_batch_rule"
     return f"functrans/vmap/rules/{family}.py"
 
@@ -178,7 +201,7 @@ _FAMILY_WORDS = (
 
 def _guess_family(op: torch._ops.OpOverload) -> str:
     if op.namespace != "aten":
-        return "custom"
+        return CUSTOM
     name = op.overloadpacket.__name__
     tags = set(op.tags)
     if torch.Tag.nondeterministic_seeded in tags:

@@ -145,13 +145,14 @@ def batching_coverage(op: OpLike) -> str:
 
 def batching_rules() -> Dict[str, str]:
     """``{op overload name: rules file}`` for every ATen overload with a rule of any kind
-    (explicit, tag or derived)."""
+    (explicit, tag or derived).  The ATen overloads are all those the dispatcher registers
+    (``op_listing.all_overloads()``), so the answer does not depend on what ran before."""
     from .op_listing import all_overloads
     out = {}
     for ov in all_overloads():
         try:
             how, rule = registry.find_rule(ov)
-        except RuntimeError:  # an overload listed by torch.ops that the dispatcher lacks
+        except RuntimeError:  # defensive: all_overloads() lists dispatcher ops only
             continue
         if rule is not None:
             out[str(ov)] = registry.rules_file(ov)

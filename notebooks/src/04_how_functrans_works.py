@@ -140,10 +140,10 @@ from functrans.vmap import randomness as _vmap_mode   # where the vmap mode call
 def logical_ops():
     seen, original = [], _vmap_mode.dispatch
 
-    def logged(op, args, kwargs):
+    def logged(op, args, kwargs, *rest):
         top = max(a.level.id for a in args if isinstance(a, BatchedTensor))
         seen.append(f"level {top}: {op} [{ft.batching_coverage(op)}]")
-        return original(op, args, kwargs)
+        return original(op, args, kwargs, *rest)
 
     _vmap_mode.dispatch = logged
     try:
@@ -196,15 +196,14 @@ print("\nwhy aten::resize_ stays on the loop:", reason(torch.ops.aten.resize_.de
 # %% [markdown]
 # `batching_rules()` lists every ATen overload that has a rule of any kind (explicit, tag or
 # derived) and the rules file it lives in. Counting per file shows how the work is split; the
-# pointwise file is one tag-rule factory that covers hundreds of overloads. (A caveat: the
-# listing enumerates `dir(torch.ops.aten)`, which names only the op packets Python has loaded
-# so far, and caches the result on first call; so the total can differ slightly between a fresh
-# process and this notebook.)
+# pointwise file is one tag-rule factory that covers hundreds of overloads. (The listing
+# enumerates every ATen overload registered with PyTorch's dispatcher, so the total is the same
+# in any process.)
 
 # %%
 rules = ft.batching_rules()
 per_file = collections.Counter(path.rsplit("/", 1)[-1] for path in rules.values())
-print(len(rules), "overloads with a rule;", len(dir(torch.ops.aten)), "aten packets loaded")
+print(len(rules), "ATen overloads with a rule")
 
 names, counts = zip(*sorted(per_file.items(), key=lambda kv: kv[1]))
 fig, ax = plt.subplots(figsize=(6, 6))
@@ -317,9 +316,9 @@ print(extend.__all__)
 from functrans.extend import Decline, logical_rank, move_bdim_to_front, register_batch_rule
 
 
-# family= names where the rule lives, for messages; it defaults to the registering module's
-# name ("__main__" in a notebook), and "custom" makes them say "your own code".
-@register_batch_rule(softclip_op, family="custom")
+# Registered from outside functrans, the rule's messages (a Decline's warning, the fallback
+# report) say its rule lives in "your own code".
+@register_batch_rule(softclip_op)
 def softclip_rule(info, in_dims, x, limit):
     x_bdim = in_dims[0]
     if logical_rank(x, x_bdim) == 0:      # a 0-d example: the last dim would be the batch

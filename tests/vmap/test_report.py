@@ -10,7 +10,9 @@ import torch
 import functrans
 from functrans import vmap
 from functrans.vmap import registry
-from tests.vmap.test_fallback import scaled_cumsum  # noqa: F401  (registers the custom op)
+from tests.vmap.test_fallback import scaled_cumsum  # registers the custom op
+
+del scaled_cumsum  # (imported for its registration only)
 
 aten = torch.ops.aten
 
@@ -153,3 +155,121 @@ def test_deliberate_fallbacks_quote_their_reason():
     rec = report.ops[str(op)]
     assert rec.calls == 1 and "segfault" in rec.on_purpose and "none on purpose" in str(report)
     torch.testing.assert_close(got, torch.func.vmap(torch.func.grad(loss))(x))
+
+
+# --- batching_rules() / the op listing do not depend on what ran earlier in the process -------
+
+_LISTING_SCRIPT = r"""
+import json, sys, torch, functrans as ft
+from functrans.vmap.op_listing import all_overloads
+if sys.argv[1] == "after":
+    # run transforms (loading the op packets they use), then load every aten packet
+    ft.vmap(ft.grad(lambda x: (x ** 2).sum()))(torch.randn(2, 3))
+    ft.jacrev(lambda v: v.sin())(torch.randn(3))
+    for name in torch._C._dispatch_get_all_op_names():
+        if name.startswith("aten::"):
+            getattr(torch.ops.aten, name[len("aten::"):].partition(".")[0])
+print(json.dumps({"overloads": sorted(map(str, all_overloads())),
+                  "rules": ft.batching_rules()}))
+"""
+
+
+def test_op_listing_is_the_same_in_a_fresh_process_and_after_loading_ops():
+    import json
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[2]
+    procs = {when: subprocess.Popen([sys.executable, "-c", _LISTING_SCRIPT, when], cwd=root,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for when in ("fresh", "after")}
+    got = {}
+    for when, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        got[when] = json.loads(out.strip().splitlines()[-1])
+    fresh, after = got["fresh"], got["after"]
+    assert set(fresh["overloads"]) == set(after["overloads"]), (
+        sorted(set(after["overloads"]) ^ set(fresh["overloads"]))[:20])
+    assert fresh["rules"] == after["rules"]
+    # complete: every overload the dispatcher registers, e.g. one whose packet nothing loads
+    assert "aten.mkldnn_rnn_layer.default" in fresh["overloads"]
+    assert len(fresh["overloads"]) == len({n for n in torch._C._dispatch_get_all_op_names()
+                                           if n.startswith("aten::")})
+
+
+def test_op_listing_has_only_dispatcher_ops_and_every_caller_works():
+    from functrans.vmap.op_listing import all_overloads
+    ovs = all_overloads()
+    assert all(isinstance(ov, torch._ops.OpOverload) and ov.namespace == "aten" for ov in ovs)
+    assert aten.add.Tensor in ovs and aten.sum.default in ovs
+    names = set(map(str, ovs))
+    assert "aten.mul.left_t" not in names  # TorchScript-only: never reaches __torch_dispatch__
+    assert all_overloads() == ovs           # cached, same answer
+    rules = functrans.batching_rules()
+    assert set(rules) <= names and len(rules) > 1300
+
+
+# --- a user's own rule points messages at the user's code, not at a functrans file -------------
+
+@torch.library.custom_op("functrans_test::softclip", mutates_args=())
+def softclip(x: torch.Tensor, limit: float) -> torch.Tensor:
+    return x.clamp(-limit, limit)
+
+
+@softclip.register_fake
+def _(x, limit):
+    return torch.empty_like(x)
+
+
+# registered as a user's script would be (module __main__), and the rule declines everything
+exec("from functrans.extend import register_batch_rule, Decline\n"
+     "@register_batch_rule(torch.ops.functrans_test.softclip.default)\n"
+     "def _softclip_rule(info, in_dims, x, limit):\n"
+     "    raise Decline()\n",
+     {"__name__": "__main__", "torch": torch})
+
+
+def test_a_users_declining_rule_points_at_the_users_own_code():
+    from functrans.vmap import fallback
+    op = torch.ops.functrans_test.softclip.default
+    assert registry.family_of(op) == "custom"
+    fallback._warned.discard(op)
+    with pytest.warns(functrans.PerformanceWarning, match="belongs in your own code") as caught, \
+            functrans.record_fallbacks() as report:
+        vmap(lambda x: softclip(x, 2.0))(torch.randn(4, 3))
+    rec = report.ops[str(op)]
+    assert rec.rules_file.startswith("your own code") and "rules/" not in rec.rules_file
+    assert "your own code" in str(report) and "__main__" not in str(report)
+    assert not any("functrans/vmap/rules" in str(w.message) for w in caught)
+    # a rule registered from any other module outside functrans.vmap.rules, too
+    assert registry.family_of(torch.ops.functrans_test.front_only.default) == "custom"
+    assert registry.rules_file(torch.ops.functrans_test.front_only.default).startswith(
+        "your own code")
+
+
+@torch.library.custom_op("functrans_test::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+registry.register_batch_rule(torch.ops.functrans_test.twice.default,
+                             lambda info, in_dims, x: (x * 2, in_dims[0]), family="mylib")
+
+
+def test_an_explicit_family_outside_functrans_is_the_users_own_code():
+    assert registry.rules_file(torch.ops.functrans_test.twice.default).startswith("your own code")
+    # functrans's own families are unchanged
+    assert registry.rules_file(aten.convolution.default) == "functrans/vmap/rules/conv.py"
+    assert registry.family_of(aten.sin.default) == "pointwise"
+
+
+def test_adaptive_max_pool3d_forward_is_batched_and_not_listed_as_a_fallback():
+    import torch.nn.functional as F
+    from functrans.vmap.known_fallbacks import reason
+    assert reason(aten.adaptive_max_pool3d.default) == ""
+    assert reason(aten.adaptive_max_pool3d_backward.default)  # the backward still loops
+    x = torch.randn(3, 2, 4, 4, 4)
+    with functrans.config.strict_fallback():
+        got = vmap(lambda a: F.adaptive_max_pool3d(a, 2))(x)
+    torch.testing.assert_close(got, torch.stack([F.adaptive_max_pool3d(a, 2) for a in x]))

@@ -10,8 +10,9 @@ the same way, unbatched ones expanded first.  Indices stay per plane, so they ne
 adjustment.  (max_unpool with duplicate indices in one plane carrying different values is
 ill-defined: PyTorch's own kernel result then depends on how it splits the work over threads.)
 
-adaptive_max_pool3d and its backward are left to the loop fallback: PyTorch's CPU
-adaptive_max_pool3d_backward kernel crashed (segfault) on the folded inputs.
+adaptive_max_pool3d's forward runs by its decomposition; its backward is left to the loop
+fallback: PyTorch's CPU adaptive_max_pool3d_backward kernel crashed (segfault) on the folded
+inputs.
 """
 from __future__ import annotations
 
