@@ -107,7 +107,7 @@ def _fix_zero_dim_promotion(args, in_dims, ranks):
     for i, (a, d, r) in enumerate(zip(args, in_dims, ranks)):
         if d is None or r != 0 or a.dtype == torch.bool:
             continue
-        if torch.promote_types(a.dtype, common) != common:
+        if a.dtype != common:  # above eager's result type (outranking) or below (outranked)
             out[i] = a.to(common)
         if len(devices) == 1 and a.device not in devices:
             out[i] = out[i].to(next(iter(devices)))
@@ -131,16 +131,31 @@ def pointwise_rule_for(op: torch._ops.OpOverload):
     call = getattr(op, "_op", op)  # the C++ callable, without OpOverload.__call__'s frame
 
     def rule(info, in_dims, *args, **kwargs):
+        # Fast path: every batched tensor has the same rank and bdim, and every unbatched
+        # tensor is 0-d (a wrapped Python scalar, as in ``x * 0.5``): the op broadcasts and
+        # promotes physically exactly as it does logically, except when the examples are 0-d
+        # themselves (then eager promotes two 0-d tensors as equals), which needs equal dtypes.
         bdim = None
         uniform = True
         ndim = None
+        scalars = None
         for a, d in zip(args, in_dims):
             if isinstance(a, torch.Tensor):
-                if d is None or (bdim is not None and d != bdim) or \
-                        (ndim is not None and a.dim() != ndim):
+                if d is None:
+                    if a.dim() == 0 and not same_shapes:
+                        scalars = a if scalars is None else scalars
+                        continue
+                    uniform = False
+                    break
+                if (bdim is not None and d != bdim) or (ndim is not None and a.dim() != ndim):
                     uniform = False
                     break
                 bdim, ndim = d, a.dim()
+        if uniform and scalars is not None:
+            uniform = bdim is not None and (not inplace or in_dims[0] is not None) and (
+                ndim > 1 or all(a.dtype == args[in_dims.index(bdim)].dtype
+                                for a, d in zip(args, in_dims)
+                                if d is None and isinstance(a, torch.Tensor)))
         if uniform:
             out = call(*args, **kwargs)
             return out, (bdim if not isinstance(out, (tuple, list))
@@ -149,7 +164,9 @@ def pointwise_rule_for(op: torch._ops.OpOverload):
         ranks = [a.dim() - (d is not None) if isinstance(a, torch.Tensor) else -1
                  for a, d in zip(args, in_dims)]
         top = max(ranks)
-        if top > 0 and any(r == 0 and d is not None for r, d in zip(ranks, in_dims)):
+        if any(r == 0 and d is not None for r, d in zip(ranks, in_dims)):
+            # A 0-d example is a dim-1 tensor physically, which would outrank the 0-d and
+            # higher-rank operands it ranks with (or equals) in eager's type promotion.
             args = _fix_zero_dim_promotion(args, in_dims, ranks)
         new_args = []
         for a, d in zip(args, in_dims):
