@@ -113,7 +113,24 @@ def _reduce_dims(op, x, bdim, params, empty_means_all: bool):
 
 
 def _dims_rule(op, empty_means_all: bool = True):
+    names = _signature(op)[0]
+    # Ops called as op(x, dim, keepdim, ...) (sum, mean, amax, logsumexp...) take a fast path
+    # for the common call: a non-empty dim list, positional arguments, examples of rank >= 1.
+    positional = names[:2] == ["dim", "keepdim"]
+    call = getattr(op, "_op", op)
+
     def rule(info, in_dims, x, *args, **kwargs):
+        if positional and args and not kwargs and x.dim() > 1:
+            dim = args[0]
+            if isinstance(dim, int):
+                dim = (dim,)
+            if dim:
+                bdim, rank = in_dims[0], x.dim() - 1
+                phys = [physical_dim(d, bdim, rank) for d in dim]
+                keepdim = len(args) > 1 and args[1]
+                out = call(x, phys, *args[1:])
+                return out, _dims_like(out, bdim if keepdim else
+                                       bdim - sum(p < bdim for p in set(phys)))
         return _reduce_dims(op, x, in_dims[0], _params(op, args, kwargs), empty_means_all)
     rule.__name__ = f"reduce_dims_rule[{op}]"
     return rule
