@@ -57,7 +57,29 @@ def broadcast_prefix(prefix: Any, tree: Any, is_leaf_prefix) -> List[Any] | None
 
 
 def describe_structure(tree: Any) -> str:
+    """A one-line picture of a pytree: containers as written in Python, tensors as
+    ``Tensor(shape)``, other leaves by type, e.g. ``(Tensor(4, 3), {'w': Tensor(5,)})``."""
     try:
-        return str(pytree.tree_structure(tree))
+        return _describe(tree)
     except Exception:  # pragma: no cover
         return repr(type(tree))
+
+
+def _describe(tree: Any) -> str:
+    import torch
+    if isinstance(tree, torch.Tensor):
+        return f"Tensor{tuple(tree.shape)}" if tree.dim() != 1 else f"Tensor({tree.shape[0]},)"
+    if tree is None:
+        return "None"
+    if _is_leaf(tree):
+        return type(tree).__name__
+    if isinstance(tree, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in tree.items()) + "}"
+    if isinstance(tree, list):
+        return "[" + ", ".join(_describe(v) for v in tree) + "]"
+    if type(tree) is tuple:
+        inner = ", ".join(_describe(v) for v in tree)
+        return f"({inner},)" if len(tree) == 1 else f"({inner})"
+    node_type = getattr(pytree, "_get_node_type", type)(tree)
+    children, _ = pytree.SUPPORTED_NODES[node_type].flatten_fn(tree)
+    return f"{type(tree).__name__}(" + ", ".join(_describe(v) for v in children) + ")"

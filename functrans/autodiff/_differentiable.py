@@ -126,3 +126,16 @@ def flatten_tensor_outputs(out: Any, api: str):
                 f"{leaf_paths(out, 'output')[i]} is a {type(o).__name__}. Return it as aux with "
                 "has_aux=True instead.")
     return flat_out, out_spec
+
+
+def backward_inside_error(err: RuntimeError, flat_inputs, api: str):
+    """A clearer error than autograd's "backward through the graph a second time" when the
+    function called ``.backward()`` itself (its gradient landed in the inputs' ``.grad``); None
+    when that is not what happened."""
+    if not any(t.is_leaf and t.grad is not None for t in flat_inputs):
+        return None
+    return TransformArgumentError(
+        f"{api}: the function called .backward() (or torch.autograd.backward) on its own "
+        "output, which used up the graph the transform differentiates. Do not call "
+        ".backward() inside a transform: return the loss and let the transform compute the "
+        "gradient (grad / vjp), or call .backward() outside the transform.")

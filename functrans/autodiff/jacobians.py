@@ -23,7 +23,8 @@ from .vjp import vjp_impl
 def _check_chunk_size(chunk_size, api):
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise TransformArgumentError(
-            f"{api}: chunk_size must be None or a positive int, got {chunk_size!r}.")
+            f"{api}: chunk_size must be None or a positive int, got {chunk_size!r}. Use "
+            "chunk_size=None to push every basis vector at once.")
 
 
 def _basis(flat: List[torch.Tensor]) -> List[torch.Tensor]:

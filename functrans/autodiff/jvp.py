@@ -50,6 +50,13 @@ def _check_primals_tangents(primals, tangents, api: str):
             raise TransformArgumentError(
                 f"{api}: {names[i]} and its tangent must both be tensors, got "
                 f"{type(p).__name__} and {type(t).__name__}.")
+        if not (p.is_floating_point() or p.is_complex()):
+            names = names or leaf_paths(tuple(primals), "primals")
+            raise TransformArgumentError(
+                f"{api}: {names[i]} has dtype {p.dtype}; only floating point and complex "
+                "tensors can be differentiated. Convert it (x.float()), or "
+                + ("exclude it from argnums." if api != "jvp" else
+                   "close over it in the function instead of passing it in primals."))
         if p.shape != t.shape:
             names = names or leaf_paths(tuple(primals), "primals")
             raise TransformArgumentError(

@@ -13,8 +13,9 @@ import torch
 from .. import _levels
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError
-from ._differentiable import (detach_tree, flatten_tensor_outputs, make_differentiable,
-                              outer_needs_graph, split_aux, zeros_for_none)
+from ._differentiable import (backward_inside_error, detach_tree, flatten_tensor_outputs,
+                              make_differentiable, outer_needs_graph, split_aux,
+                              zeros_for_none)
 
 
 def vjp(func: Callable, *primals: Any, has_aux: bool = False):
@@ -54,7 +55,8 @@ def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec, flat_inputs, primals, a
         if ct_spec != out_spec:
             raise TransformArgumentError(
                 f"{api}: vjp_fn expects cotangents with the structure of the function's output "
-                f"({out_spec}), got {describe_structure(cotangents)}. Pass one cotangent per "
+                f"({describe_structure(tree_unflatten(flat_out, out_spec))}), got "
+                f"{describe_structure(cotangents)}. Pass one cotangent per "
                 "output, in the same (nested) container.")
         for i, (c, o) in enumerate(zip(flat_ct, flat_out)):
             if not isinstance(c, torch.Tensor):
@@ -80,8 +82,15 @@ def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec, flat_inputs, primals, a
                 cts.append(c)
         if outs:
             with torch.enable_grad():
-                grads = torch.autograd.grad(outs, flat_inputs, cts, retain_graph=retain_graph,
-                                            create_graph=create_graph, allow_unused=True)
+                try:
+                    grads = torch.autograd.grad(outs, flat_inputs, cts,
+                                                retain_graph=retain_graph,
+                                                create_graph=create_graph, allow_unused=True)
+                except RuntimeError as e:
+                    clearer = backward_inside_error(e, flat_inputs, api)
+                    if clearer is None:
+                        raise
+                    raise clearer from e
         else:
             grads = [None] * len(flat_inputs)
         grads = zeros_for_none(grads, flat_inputs)

@@ -147,16 +147,24 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
                 f"in_dim None for that argument (pass in_dims as a tuple with None there).")
         if isinstance(a, BatchedTensor) and not a.level.alive and \
                 torch._C._current_autograd_node() is None:
+            names = names or leaf_paths(args, "args")
             raise EscapedBatchedTensorError(
-                f"{api}: an input is a BatchedTensor whose vmap (level {a.level.id}) has "
-                "already returned; it escaped that vmap. Return it from that function instead.")
+                f"{api}: {names[i]} is a BatchedTensor whose vmap (level {a.level.id}) has "
+                "already returned; it escaped that vmap (through a closure, a global or a list "
+                "the function appended to). Return it from that vmapped function instead, and "
+                "pass the returned tensor here.")
         nd = a.dim()
-        if not -nd <= d < nd if nd else True:
+        if nd == 0:
+            names = names or leaf_paths(args, "args")
+            raise TransformArgumentError(
+                f"{api}: in_dim={d} was given for {names[i]}, a 0-d tensor (shape ()): a 0-d "
+                "tensor cannot be mapped, it has no dim to map over. Use in_dim None for it "
+                "(one value shared by every example), or pass a tensor with a batch dim.")
+        if not -nd <= d < nd:
             names = names or leaf_paths(args, "args")
             raise TransformArgumentError(
                 f"{api}: in_dim={d} is out of range for {names[i]}, a tensor of shape "
-                f"{tuple(a.shape)} ({nd} dims); expected an in_dim in [{-nd}, {nd - 1}]"
-                + (" — a 0-d tensor cannot be mapped; use in_dim None." if nd == 0 else "."))
+                f"{tuple(a.shape)} ({nd} dims); expected an in_dim in [{-nd}, {nd - 1}].")
         d = d % nd
         flat_dims[i] = d
         sizes.append((i, d, a.shape[d]))
@@ -220,7 +228,9 @@ def _unwrap_outputs(out, out_dims, level, api):
             raise TransformArgumentError(
                 f"{api}: the function returned a {type(o).__name__} at {names[i]}; vmap needs "
                 "tensor outputs so it can stack them along the batch dim. Return a tensor "
-                "(e.g. torch.tensor(value)) or set that output's out_dim to None.")
+                "(e.g. torch.tensor(value)) or set that output's out_dim to None."
+                + (" (Did the function forget to return?)" if o is None and len(flat_out) == 1
+                   else ""))
         batched_here = isinstance(o, BatchedTensor) and o.level is level
         if isinstance(o, BatchedTensor) and not batched_here and not o.level.alive:
             raise EscapedBatchedTensorError(

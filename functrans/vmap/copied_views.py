@@ -22,8 +22,12 @@ import torch
 
 from ..errors import UnsupportedUnderVmap
 
-# (weakref to the copy's physical value, the copy's storage pointer, the base's storage pointer)
-_copies: List[Tuple[weakref.ref, int, int]] = []
+# (weakref to the copy's physical value, the copy's storage pointer, the base's storage pointer,
+#  what the copy stands for)
+_copies: List[Tuple[weakref.ref, int, int, str]] = []
+
+VIEW = "view"      # Note [view after moving the bdim]
+LAZY_BIT = "bit"   # Note [conjugate and negative bits] in rules/autograd_ops.py
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -33,9 +37,9 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def record(copy: torch.Tensor, base: torch.Tensor) -> None:
+def record(copy: torch.Tensor, base: torch.Tensor, kind: str = VIEW) -> None:
     _prune()
-    _copies.append((weakref.ref(copy), _storage_ptr(copy), _storage_ptr(base)))
+    _copies.append((weakref.ref(copy), _storage_ptr(copy), _storage_ptr(base), kind))
 
 
 def _prune() -> None:
@@ -48,7 +52,15 @@ def check_write(op, target: torch.Tensor) -> None:
         return
     _prune()
     ptr = _storage_ptr(target)
-    for _, copy_ptr, base_ptr in _copies:
+    for _, copy_ptr, base_ptr, kind in _copies:
+        if ptr in (copy_ptr, base_ptr) and kind == LAZY_BIT:
+            raise UnsupportedUnderVmap(
+                f"vmap: {op} writes in place into a tensor that shares memory with the result "
+                "of .conj() (or torch._neg_view). In eager that result is a lazy view with a "
+                "conjugate (negative) bit; under vmap it is a materialised copy, because the "
+                "bit cannot be carried on a batched tensor, so the write would not reach the "
+                "other tensor. Write into the original tensor and take .conj() afterwards, or "
+                "compute out of place (e.g. y = x.conj() * 2).")
         if ptr in (copy_ptr, base_ptr):
             raise UnsupportedUnderVmap(
                 f"vmap: {op} writes in place into a tensor that shares memory with the result "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..helpers import keep_bdim_rule, move_bdim_to_front, pad_to_rank
+from .. import copied_views
 from ..registry import register_batch_rule
 
 aten = torch.ops.aten
@@ -28,14 +29,20 @@ for _op in (aten.detach.default, aten.alias.default, aten.zero_.default,
 # BatchedTensor that users and autograd inspect (``is_conj()``, ``resolve_conj()``,
 # ``view_as_real``) says "not conjugated".  So these rules materialise the result instead, and
 # vmap resolves the bits of its inputs when it wraps them: a physical value never carries one.
+# A materialised result no longer aliases its input, so it is recorded in copied_views: an
+# in-place write into either while the copy lives raises instead of silently missing the other.
 @register_batch_rule(aten._conj.default)
 def conj_rule(info, in_dims, x):
-    return torch.conj_physical(x), in_dims[0]
+    out = torch.conj_physical(x)
+    copied_views.record(out, x, copied_views.LAZY_BIT)
+    return out, in_dims[0]
 
 
 @register_batch_rule(aten._neg_view.default)
 def neg_view_rule(info, in_dims, x):
-    return torch.neg(x), in_dims[0]
+    out = torch.neg(x)
+    copied_views.record(out, x, copied_views.LAZY_BIT)
+    return out, in_dims[0]
 
 
 def example_is_dense(x: torch.Tensor, bdim: int) -> bool:
