@@ -242,8 +242,6 @@ def test_no_cycles_hold_tensors():
                         f"({n_garbage} objects in cycles)"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: hessian / jacfwd(jacrev) results keep an autograd "
-                   "graph (requires_grad=True) when no input requires grad, unlike torch.func")
 def test_hessian_result_holds_no_graph():
     x = torch.randn(4)
     assert not torch.func.hessian(lambda a: torch.sin(a).sum())(x).requires_grad
