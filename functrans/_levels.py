@@ -70,3 +70,38 @@ def pushed(level: Level) -> Iterator[Level]:
             s.clear()
             raise AssertionError(f"functrans level stack corrupted: popped {popped}, "
                                  f"expected {level}")
+
+
+# Forward-mode AD levels are process-global in PyTorch (one dual level at a time, for every
+# thread), unlike the transform stack above.  functrans.jvp holds this lock while its dual level
+# is open and records its thread, so that other threads know the open level is not theirs: their
+# vmaps run normally and their jvps take the double-vjp route instead of opening a second level.
+_forward_ad_lock = threading.Lock()
+_forward_ad_owner: "int | None" = None
+
+
+def forward_ad_state() -> str:
+    """'none' (no dual level is open), 'mine' (functrans opened it in this thread), 'other'
+    (functrans opened it in another thread) or 'user' (someone's own ``dual_level()``)."""
+    import torch.autograd.forward_ad as fwAD
+    if getattr(fwAD, "_current_level", -1) < 0:
+        return "none"
+    owner = _forward_ad_owner
+    if owner is None:
+        return "user"
+    return "mine" if owner == threading.get_ident() else "other"
+
+
+def claim_forward_ad() -> bool:
+    """Take the right to open a dual level (False: another thread holds it)."""
+    global _forward_ad_owner
+    if not _forward_ad_lock.acquire(blocking=False):
+        return False
+    _forward_ad_owner = threading.get_ident()
+    return True
+
+
+def release_forward_ad() -> None:
+    global _forward_ad_owner
+    _forward_ad_owner = None
+    _forward_ad_lock.release()

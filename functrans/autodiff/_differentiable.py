@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, List, Sequence, Tuple, Union
 
 import torch
-import torch.autograd.forward_ad as fwAD
 
 from .. import _levels
 from .._pytree import leaf_paths, tree_flatten, tree_unflatten
@@ -60,7 +59,7 @@ def differentiable_alias(x: torch.Tensor) -> torch.Tensor:
     """A fresh tensor to differentiate w.r.t.: a view when ``x`` is already part of a graph
     (requires grad) or may carry a forward-mode tangent, else a detached leaf (a view would let
     storage-addressing ops like as_strided see ``x``'s base)."""
-    if x.requires_grad or getattr(fwAD, "_current_level", -1) >= 0:
+    if x.requires_grad or _levels.forward_ad_state() in ("mine", "user"):
         alias = x.view_as(x)
         if not alias.requires_grad:
             alias.requires_grad_()

@@ -23,8 +23,6 @@ from ._differentiable import (detach_tree, flatten_tensor_outputs, make_differen
                               outer_needs_graph, split_aux)
 
 
-def _forward_ad_active() -> bool:
-    return getattr(fwAD, "_current_level", -1) >= 0
 
 
 def _check_primals_tangents(primals, tangents, api: str):
@@ -83,16 +81,20 @@ def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
 
 def jvp_impl(func, primals, tangents, has_aux, api):
     flat_p, flat_t, spec = _check_primals_tangents(primals, tangents, api)
-    if _forward_ad_active():
+    # One dual level at a time in the whole process (see _levels.forward_ad_state): a jvp
+    # inside another (this thread's or another thread's) takes the exact double-vjp route.
+    if _levels.forward_ad_state() != "none" or not _levels.claim_forward_ad():
         return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api)
     try:
         return _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api)
     except ForwardModeAroundVmap:
-        return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api)
+        pass
     except (RuntimeError, NotImplementedError) as e:
-        if _no_forward_formula(e):
-            return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api)
-        raise
+        if not _no_forward_formula(e):
+            raise
+    finally:
+        _levels.release_forward_ad()
+    return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api)
 
 
 def _no_forward_formula(e: BaseException) -> bool:

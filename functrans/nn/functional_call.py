@@ -15,6 +15,8 @@ pure function of the dicts: ``grad``, ``vmap`` and ``jacrev`` can differentiate 
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple, Union
 
 import torch
@@ -98,9 +100,31 @@ def _owner(module: nn.Module, name: str) -> Tuple[nn.Module, str]:
     return owner, leaf
 
 
+# The swap below changes the module object itself, so two threads calling functional_call on
+# one module would compute with each other's tensors.  Each module gets a re-entrant lock, held
+# for the swap and the forward: concurrent calls on one module run one after another (calls on
+# different modules, and nested calls in one thread, are not held up).
+_module_locks: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_module_locks_guard = threading.Lock()
+
+
+def _module_lock(module: nn.Module) -> threading.RLock:
+    lock = _module_locks.get(module)
+    if lock is None:
+        with _module_locks_guard:
+            lock = _module_locks.setdefault(module, threading.RLock())
+    return lock
+
+
 @contextlib.contextmanager
 def swapped_tensors(module: nn.Module, values: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """Within the block, ``module``'s tensors named in ``values`` are the given tensors."""
+    """Within the block, ``module``'s tensors named in ``values`` are the given tensors (and
+    no other thread's functional_call on ``module`` runs)."""
+    with _module_lock(module):
+        yield from _swapped(module, values)
+
+
+def _swapped(module: nn.Module, values: Mapping[str, torch.Tensor]):
     undo: List[Tuple[Dict[str, Any], str, Any, bool]] = []
     try:
         for name, value in values.items():

@@ -118,9 +118,10 @@ class ForwardModeAroundVmap(Exception):
 
 
 def _check_forward_ad(api: str) -> None:
-    if getattr(torch.autograd.forward_ad, "_current_level", -1) < 0:
+    state = _levels.forward_ad_state()
+    if state in ("none", "other"):  # 'other': a jvp in another thread; nothing of ours
         return
-    if any(level.kind == "jvp" for level in _levels.stack()):
+    if state == "mine":
         raise ForwardModeAroundVmap()
     raise UnsupportedUnderVmap(
         f"{api}: vmap was called inside a torch.autograd.forward_ad.dual_level() block. "

@@ -199,9 +199,6 @@ def test_grad_mode_is_per_thread():
             fut.result(timeout=60)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: vmap refuses to run (UnsupportedUnderVmap 'inside a "
-                   "forward_ad.dual_level() block') while ANOTHER thread is inside functrans.jvp: "
-                   "_check_forward_ad reads torch's process-global forward_ad._current_level")
 def test_forward_mode_in_one_thread_does_not_refuse_vmap_in_another():
     inside, done = threading.Event(), threading.Event()
 
@@ -225,11 +222,10 @@ def test_forward_mode_in_one_thread_does_not_refuse_vmap_in_another():
     assert_same(t, torch.ones(3))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: functional_call swaps the module's tensors in place "
-                   "with no lock: two threads sharing a module compute with each other's "
-                   "parameters and leave the module holding a thread's tensors (torch.func has the "
-                   "same limitation)")
 def test_functional_call_on_a_shared_module():
+    """Two threads call functional_call on one module, interleaved on purpose: each computes
+    with its own tensors and the module ends with its own (a per-module lock serialises them;
+    torch.func has no such lock)."""
     role = threading.local()
     a_inside, b_inside, a_done = threading.Event(), threading.Event(), threading.Event()
 
