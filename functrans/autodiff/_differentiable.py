@@ -16,7 +16,8 @@ import torch
 
 from .. import _levels
 from .._pytree import leaf_paths, tree_flatten, tree_unflatten
-from ..errors import TransformArgumentError
+from ..errors import EscapedBatchedTensorError, TransformArgumentError
+from ..vmap.batched_tensor import BatchedTensor
 
 Argnums = Union[int, Tuple[int, ...]]
 
@@ -112,6 +113,15 @@ def detach_tree(tree: Any) -> Any:
 
 
 def zeros_for_none(grads, inputs) -> List[torch.Tensor]:
+    """The gradients, zeros for unused inputs; refuses a gradient that is a BatchedTensor of a
+    vmap that has returned (a backward pass computed with a tensor that escaped it)."""
+    for g in grads:
+        if type(g) is BatchedTensor and not g.level.alive:
+            raise EscapedBatchedTensorError(
+                f"the gradient is a BatchedTensor of a vmap (level {g.level.id}) that has "
+                "already returned: the backward pass computed with a tensor that escaped that "
+                "vmap (captured by a custom autograd.Function's backward, a hook or a closure). "
+                "Return the tensor from the vmapped function instead of capturing it.")
     return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
 
 
