@@ -213,6 +213,30 @@ def _inplace_view(op, args, kwargs, level):
     return self_
 
 
+_fw_grad_enabled = torch._C._is_fwd_grad_enabled
+_inference_mode = torch.is_inference_mode_enabled
+
+
+def _refuse_custom_function_under_outer_grad(args, level) -> None:
+    """A custom ``autograd.Function`` runs its forward with both grad modes off.  If a batched
+    argument's physical value requires grad, a transform outside this vmap differentiates
+    through it (Note [autograd on physical values]); that transform would record none of the
+    forward's ops and never call the Function's backward: a silently wrong gradient.  (A
+    wrapper that requires grad itself belongs to a transform inside the vmap, which records the
+    Function's node on the wrappers: that case is fine.)"""
+    for a in args:
+        if type(a) is _BT and a.level is level and a.value.requires_grad and \
+                not a.requires_grad:
+            raise UnsupportedUnderVmap(
+                "vmap: a custom torch.autograd.Function ran on batched values that a "
+                "transform outside this vmap differentiates (grad/jacrev/vjp around the vmap, "
+                "or .backward() on its result). That transform sees the vmap's physical ops, "
+                "and a Function's forward runs without recording them, so its backward would "
+                "never be called and the gradient would be silently wrong. Put the gradient "
+                "transform inside the vmap (vmap(grad(f)) instead of grad(vmap(f))), or write "
+                "the function with ordinary torch operations.")
+
+
 def _resolve(op, meta: _OpMeta) -> None:
     meta.how, meta.rule = registry.find_rule(op)
     meta.rule_checks_inplace = getattr(meta.rule, "checks_inplace", False)
@@ -289,6 +313,10 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], meta: _OpMeta = 
                 kw_batched = True
             if grad_on and isinstance(v, torch.Tensor) and v.requires_grad:
                 track = True
+
+    if not grad_on and batched and not _fw_grad_enabled() and not _inference_mode():
+        # Both grad modes off, outside inference mode: a custom autograd.Function's forward.
+        _refuse_custom_function_under_outer_grad(args, level)
 
     if not batched and not kw_batched:
         # Nothing at this level is batched: run the op one level down.

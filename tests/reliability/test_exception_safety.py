@@ -20,7 +20,7 @@ from torch import nn
 
 import functrans as ft
 from functrans import _levels
-from functrans.errors import EscapedBatchedTensorError
+from functrans.errors import EscapedBatchedTensorError, UnsupportedUnderVmap
 from functrans.vmap.batched_tensor import BatchedTensor
 from tests.oracles import assert_same
 
@@ -597,10 +597,11 @@ def test_escaped_tensor_unusable_inside_a_later_backward_pass():
         ft.grad(lambda a: UsesEscaped.apply(a).sum())(torch.randn(D))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: grad(vmap(f)) / jacrev(vmap(f)) never call a custom "
-                   "autograd.Function's backward (the outer graph records the forward's physical "
-                   "ops): a raising backward is skipped and a straight-through gradient is 0")
-def test_custom_backward_under_outer_grad_of_vmap_is_used():
+def test_custom_function_under_outer_grad_of_vmap_is_refused():
+    """grad(vmap(f)) records the vmap's physical ops, and a custom Function's forward runs
+    without recording them: its backward would be skipped and a straight-through gradient
+    silently 0 (the bug this test found).  functrans refuses it with a clear error (torch.func
+    refuses such Functions too); vmap(grad(f)) uses the backward."""
     calls = []
 
     class STE(torch.autograd.Function):     # straight-through estimator
@@ -614,6 +615,11 @@ def test_custom_backward_under_outer_grad_of_vmap_is_used():
             return g
 
     x = Ctx("user").data((B, D))
-    got = ft.grad(lambda a: ft.vmap(STE.apply)(a).sum())(x)
+    with pytest.raises(UnsupportedUnderVmap, match=r"custom torch.autograd.Function.*vmap\(grad\(f\)\)"):
+        ft.grad(lambda a: ft.vmap(STE.apply)(a).sum())(x)
+    with pytest.raises(UnsupportedUnderVmap, match="custom torch.autograd.Function"):
+        ft.jacrev(lambda a: ft.vmap(STE.apply)(a))(x[0:2])
+    assert_clean_state(True)
+    got = ft.vmap(ft.grad(lambda a: STE.apply(a).sum()))(x)
     assert calls, "the custom backward was never called"
     assert_same(got, torch.ones(B, D))
