@@ -275,7 +275,7 @@ ENTRIES = [
        """
        out, vjp_fn = ft.vjp(torch.sin, w)
        vjp_fn(torch.ones(4))
-       """, T, r"has shape \(4,\) but the corresponding output has shape \(3,\)",
+       """, T, r"cotangent of shape \(4,\) .*for an output of shape \(3,\)",
        ("(4,)", "(3,)", "shape of its output"),
        torch_func="RuntimeError: \"Mismatch in shape: grad_output[0] has a shape of "
                   "torch.Size([4]) and output[0] has a shape of torch.Size([3]).\""),
@@ -291,7 +291,7 @@ ENTRIES = [
        """
        out, vjp_fn = ft.vjp(torch.sin, w)
        vjp_fn(torch.ones(3, dtype=torch.float64))
-       """, T, r"dtype torch\.float64 but the corresponding output has dtype torch\.float32",
+       """, T, r"cotangent of dtype torch\.float64 .*for an output of dtype torch\.float32",
        ("torch.float64", ".to(torch.float32)"),
        torch_func="accepted without an error"),
     _e("jvp_primals_not_tuple", "`jvp(f, x, t)` instead of `jvp(f, (x,), (t,))`",

@@ -61,18 +61,19 @@ def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec, flat_inputs, primals, a
         for i, (c, o) in enumerate(zip(flat_ct, flat_out)):
             if not isinstance(c, torch.Tensor):
                 raise TransformArgumentError(
-                    f"{api}: cotangent {leaf_paths(cotangents, 'cotangents')[i]} is a "
-                    f"{type(c).__name__}; cotangents must be tensors.")
+                    f"{api}: vjp_fn got a {type(c).__name__} as the cotangent at "
+                    f"{leaf_paths(cotangents, 'cotangents')[i]}; cotangents must be tensors "
+                    "(one per output, of the output's shape and dtype).")
             if c.shape != o.shape:
                 raise TransformArgumentError(
-                    f"{api}: cotangent {leaf_paths(cotangents, 'cotangents')[i]} has shape "
-                    f"{tuple(c.shape)} but the corresponding output has shape {tuple(o.shape)}; "
-                    "a cotangent must have the shape of its output.")
+                    f"{api}: vjp_fn got a cotangent of shape {tuple(c.shape)} (at "
+                    f"{leaf_paths(cotangents, 'cotangents')[i]}) for an output of shape "
+                    f"{tuple(o.shape)}; a cotangent must have the shape of its output.")
             if c.dtype != o.dtype:
                 raise TransformArgumentError(
-                    f"{api}: cotangent {leaf_paths(cotangents, 'cotangents')[i]} has dtype "
-                    f"{c.dtype} but the corresponding output has dtype {o.dtype}; convert it with "
-                    f".to({o.dtype}).")
+                    f"{api}: vjp_fn got a cotangent of dtype {c.dtype} (at "
+                    f"{leaf_paths(cotangents, 'cotangents')[i]}) for an output of dtype "
+                    f"{o.dtype}; convert it with .to({o.dtype}).")
         if create_graph is None:
             create_graph = outer_needs_graph(flat_inputs + flat_ct) and torch.is_grad_enabled()
         outs, cts = [], []

@@ -177,7 +177,12 @@ def _inplace_error(op, which) -> UnsupportedUnderVmap:
         f"{arg}, which is not batched (it was created inside the function with a factory like "
         "torch.zeros(shape), or captured from outside vmap). Each example would need its own "
         "copy of that tensor. Create it from a batched input instead, e.g. "
-        "torch.zeros_like(x) or x.new_zeros(shape), or use the out-of-place version of the op.")
+        "torch.zeros_like(x) or x.new_zeros(shape), or use the out-of-place version of the op"
+        + (" (out[i] = v, out[mask] = v and out += v are in-place writes into out; build the "
+           "result with torch.stack, torch.cat or torch.where instead)."
+           if op.overloadpacket.__name__ in ("copy_", "index_put_", "add_", "masked_fill_",
+                                             "fill_", "sub_", "mul_", "div_")
+           else "."))
 
 
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality,
