@@ -1,0 +1,62 @@
+"""Property-based fuzzing of transform compositions against a plain-PyTorch oracle.
+
+Each example is a random program (``programs.gen_program``) under a random stack of transforms
+(``programs.gen_stack``), compared with the recursive oracle (see ``programs``' docstring).
+The default run is fixed-seed (``derandomize=True``) and runs 1,050 examples; the ``sweep``
+marker runs ``FUNCTRANS_FUZZ_SWEEP_EXAMPLES`` (default 20,000) more, with bigger programs.
+
+Cases that hit a known bug are skipped with ``assume``; ``programs.known_bug`` names, for each,
+the strict-xfail test in ``test_fuzz_regressions.py`` that pins it.  A deliberate refusal (a
+``functrans.errors.FunctransError``) passes and is counted in ``programs.STATS``, as are the ops
+that ran on the loop fallback (``python -m tests.fuzz.programs`` prints them).
+"""
+import os
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+from . import programs as P
+
+_SETTINGS = dict(derandomize=True, database=None, deadline=None, print_blob=False,
+                 suppress_health_check=list(HealthCheck))
+
+
+def _check(data, profile):
+    case = P.gen_case(P.DataChooser(data), **P.PROFILES[profile])
+    bug = P.known_bug(case)
+    if bug:
+        P.STATS["known_bug_skipped"][bug] += 1
+    assume(bug is None)
+    P.run_case(case, skip_known=False)
+
+
+@settings(max_examples=400, **_SETTINGS)
+@given(st.data())
+def test_vmap_and_vmap_of_vmap(data):
+    """vmap / vmap(vmap) with random in_dims, out_dims, chunk_size over every op family."""
+    _check(data, "vmap")
+
+
+@settings(max_examples=300, **_SETTINGS)
+@given(st.data())
+def test_autodiff_stacks(data):
+    """One or two of grad, grad_and_value, vjp, jvp, linearize, jacrev, jacfwd, hessian."""
+    _check(data, "autodiff")
+
+
+@settings(max_examples=350, **_SETTINGS)
+@given(st.data())
+def test_mixed_stacks(data):
+    """Two or three transforms of any kind (vmap(grad), jacrev(vmap), vmap(jvp), ...)."""
+    _check(data, "mixed")
+
+
+SWEEP_EXAMPLES = int(os.environ.get("FUNCTRANS_FUZZ_SWEEP_EXAMPLES", "20000"))
+
+
+@pytest.mark.sweep
+@settings(max_examples=SWEEP_EXAMPLES, **_SETTINGS)
+@given(st.data())
+def test_sweep(data):
+    """The long run: up to seven ops, three inputs, three transforms deep."""
+    _check(data, "sweep")

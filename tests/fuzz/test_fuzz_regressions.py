@@ -1,0 +1,92 @@
+"""One test per bug the fuzzer found: the minimal program, asserted against the plain-PyTorch
+oracle (``programs``' layer oracles, or an explicit loop / autograd).  Each is a strict xfail:
+when the bug is fixed the test fails, and the marker (and the matching entry of
+``programs.known_bug``, which keeps the fuzzer's default run off the bug) must be removed."""
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import functrans as ft
+
+from . import programs as P
+
+D = torch.float64
+
+
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: jacrev/jacfwd/hessian w.r.t. a 0-d input raise "
+                                       "TypeError (view()/reshape() with an empty shape)")
+def test_jacobian_wrt_0d_input():
+    x = torch.tensor(0.3, dtype=D)
+    torch.testing.assert_close(ft.jacrev(torch.sin)(x), torch.cos(x))
+    torch.testing.assert_close(ft.jacfwd(torch.sin)(x), torch.cos(x))
+    torch.testing.assert_close(ft.hessian(torch.sin)(x), -torch.sin(x))
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: grad(jvp(softmax)) raises 'modified by an inplace "
+                                       "operation ... output 0 of Exp'")
+def test_grad_of_jvp_of_softmax():
+    x, t = torch.randn(3, dtype=D, generator=_g(0)), torch.randn(3, dtype=D, generator=_g(1))
+    w = torch.arange(3.0, dtype=D)
+    f = lambda a: (F.softmax(a, -1),)
+    loss = lambda a, u: (ft.jvp(lambda b: F.softmax(b, -1), (a,), (u,))[1] * w).sum()
+    expected = P.GradLayer(0, [torch.zeros(3, dtype=D), w]).oracle(P.JvpLayer(1).oracle(f))(x, t)
+    torch.testing.assert_close(ft.grad(loss)(x, t), expected[0].detach())
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: linearize(jvp(layer_norm)) gives wrong "
+                                       "second-order tangents (jvp(jvp(...)) is right)")
+def test_nested_forward_mode_layer_norm():
+    x, t1, t2, t3 = [torch.randn(3, 1, dtype=D, generator=_g(i)) for i in range(4)]
+    f = lambda a: F.layer_norm(a, (3, 1))
+    _, jvp_fn = ft.linearize(lambda p, t: ft.jvp(f, (p,), (t,))[1], x, t1)
+    expected = P.JvpLayer(2).oracle(P.JvpLayer(1).oracle(lambda a: (f(a),)))(x, t1, t2, t3)
+    torch.testing.assert_close(jvp_fn(t2, t3), expected[3].detach())
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: grad(vmap(grad(f))) is zero: reverse mode over "
+                                       "vmap over reverse mode loses the inner gradient's graph")
+def test_grad_of_vmap_of_grad_is_zero():
+    x = torch.tensor([0.3, 0.7], dtype=D)
+    actual = ft.grad(lambda a: ft.vmap(ft.grad(torch.sin))(a).sum())(x)
+    torch.testing.assert_close(actual, -torch.sin(x))   # d/dx cos(x); torch.func agrees
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: jacfwd of addcmul with an unbatched self segfaults "
+                                       "the interpreter (vmap over forward AD)")
+def test_jacfwd_of_addcmul_with_unbatched_self_segfaults():
+    # in a subprocess: the crash is a segmentation fault
+    code = ("import torch, functrans as ft\n"
+            "c = torch.tensor([0.5], dtype=torch.float64)\n"
+            "x = torch.tensor([[0.1], [0.2], [0.3]], dtype=torch.float64)\n"
+            "j = ft.jacfwd(lambda a: torch.addcmul(c, c, a, value=0.5))(x)\n"
+            "e = torch.eye(3, dtype=torch.float64).reshape(3, 1, 3, 1) * 0.125\n"
+            "torch.testing.assert_close(j, e)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300)
+    assert res.returncode == 0, (res.returncode, res.stderr.decode()[-2000:])
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: vmap(hessian(matmul)) with in_dims=(2, 1) hits "
+                                       "torch's INTERNAL ASSERT has_fw_view (tangent layout)")
+def test_vmap_of_hessian_of_matmul_internal_assert():
+    x0 = torch.randn(2, 2, 2, dtype=D, generator=_g(0))
+    x1 = torch.randn(2, 2, 3, dtype=D, generator=_g(1))
+    actual = ft.vmap(ft.hessian(lambda a, b: a @ b), in_dims=(2, 1))(x0, x1)
+    expected = P.VmapLayer((2, 1), (0,), 2, None).oracle(
+        P.JacLayer("hessian", 0).oracle(lambda a, b: (a @ b,)))(x0, x1)[0]
+    torch.testing.assert_close(actual, expected.detach())   # zeros: a @ b is bilinear
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: outputs of vjp_fn and jacrev require grad (a graph "
+                                       "leaks) when no input does; torch.func's do not")
+def test_outputs_do_not_require_grad():
+    x = torch.tensor([0.5, 1.0], dtype=D)
+    _, vjp_fn = ft.vjp(torch.sin, x)
+    assert not vjp_fn(x)[0].requires_grad
+    assert not ft.jacrev(torch.sin)(x).requires_grad
