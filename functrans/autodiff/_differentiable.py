@@ -56,11 +56,24 @@ def replace_argnums(args: Sequence[Any], argnums: Argnums, new) -> Tuple[Any, ..
     return tuple(out)
 
 
+def requires_grad_anywhere(x: Any) -> bool:
+    """Whether ``x`` is part of a graph at any level: a BatchedTensor reports
+    ``requires_grad=False`` while its physical value (or a wrapper of an outer vmap inside it)
+    may be differentiated by a transform outside the vmap (Note [autograd on physical values])."""
+    while isinstance(x, torch.Tensor):
+        if x.requires_grad:
+            return True
+        if type(x) is not BatchedTensor:
+            return False
+        x = x.value
+    return False
+
+
 def differentiable_alias(x: torch.Tensor) -> torch.Tensor:
     """A fresh tensor to differentiate w.r.t.: a view when ``x`` is already part of a graph
     (requires grad) or may carry a forward-mode tangent, else a detached leaf (a view would let
     storage-addressing ops like as_strided see ``x``'s base)."""
-    if x.requires_grad or _levels.forward_ad_state() in ("mine", "user"):
+    if requires_grad_anywhere(x) or _levels.forward_ad_state() in ("mine", "user"):
         alias = x.view_as(x)
         if not alias.requires_grad:
             alias.requires_grad_()
@@ -95,7 +108,7 @@ def outer_needs_graph(tensors: Sequence[Any]) -> bool:
         return False
     if any(level.kind in ("grad", "jvp") for level in _levels.stack()):
         return True
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    return any(requires_grad_anywhere(t) for t in tensors)
 
 
 def split_aux(out: Any, api: str):

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import dataclasses
 import math
 import random
@@ -662,6 +663,12 @@ def fam_softmax(b: ProgramBuilder, a: Var):
         return f"F.normalize({n}, dim={d})", False
     k = c.integer(1, r)
     shape = s[r - k:]
+    if math.prod(shape) < 3:
+        # Normalising one or two elements: the normalised values are exactly 0 or +-1 whatever
+        # the input, every derivative is a cancellation scaled by rstd (up to 1/sqrt(eps)), and
+        # the float64 results of different, all correct, formula orders differ by O(1): there
+        # functrans and torch.func agree with each other and not with plain double backward.
+        return None
     if c.boolean():
         return f"F.layer_norm({n}, {tuple(shape)})", False
     return f"F.layer_norm({n}, {tuple(shape)}, {b.operand(shape)}, {b.operand(shape)})", False
@@ -1173,14 +1180,6 @@ def known_bug(case: Case) -> Optional[str]:
         return "test_grad_of_jvp_of_softmax"
     if "layer_norm" in src and len(ad) >= 2 and any(k in FORWARD for k in ad):
         return "test_nested_forward_mode_layer_norm"
-    prim = []
-    for k in kinds:
-        prim += ["jac:rev", "jac:fwd"] if k == "jac:hessian" else [k]
-    for i, k in enumerate(prim):
-        if k == "vmap" and any(j in ("grad", "vjp", "jac:rev", "linearize")
-                               for j in prim[:i]) and any(
-                j in ("grad", "vjp", "jac:rev") for j in prim[i + 1:]):
-            return "test_grad_of_vmap_of_grad_is_zero"
     if "addcmul" in src and any(k in FORWARD for k in kinds):
         return "test_jacfwd_of_addcmul_with_unbatched_self_segfaults"
     fwd = [i for i, k in enumerate(kinds) if k in ("jvp", "linearize", "jac:fwd", "jac:hessian")]
@@ -1194,7 +1193,7 @@ def known_bug(case: Case) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------
 # Running one case
 
-STATS = {"cases": 0, "refused": collections.Counter(), "known_bug_skipped": collections.Counter(), "fallback_ops": collections.Counter(),
+STATS = {"cases": 0, "oracle_nonfinite": 0, "refused": collections.Counter(), "known_bug_skipped": collections.Counter(), "fallback_ops": collections.Counter(),
          "layers": collections.Counter(), "families": collections.Counter()}
 
 
@@ -1203,6 +1202,10 @@ class Mismatch(AssertionError):
 
 
 def _tf_result(case: Case, args, expected):
+    # torch.func has crashed the interpreter (segfault) on some failing stacks, which would take
+    # the whole test run down with it: its result is shown only when asked for.
+    if not os.environ.get("FUNCTRANS_FUZZ_TORCH_FUNC"):
+        return "(not run; set FUNCTRANS_FUZZ_TORCH_FUNC=1 to show torch.func's result)"
     try:
         import torch.func as tf
         res = [t.detach() for t in case.build(tf)(*args)]
@@ -1237,6 +1240,11 @@ def run_case(case: Case, *, rtol=1e-6, atol=1e-6, skip_known=True) -> str:
     STATS["families"].update(case.program.families)
     args = case.inputs()
     expected = [t.detach() for t in case.oracle()(*args)]   # an invalid program raises here
+    if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in expected):
+        # PyTorch's own formulas give NaN/inf here (e.g. logcumsumexp's double backward over a
+        # size-1 dim): the reference is undefined, so the case says nothing about functrans.
+        STATS["oracle_nonfinite"] += 1
+        return "oracle-nonfinite"
     args = case.inputs()
     try:
         with functrans.config.strict_fallback(False), functrans.record_fallbacks() as rep, \
