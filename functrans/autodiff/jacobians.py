@@ -97,7 +97,7 @@ def jacrev(func: Callable, argnums: Argnums = 0, *, has_aux: bool = False,
         offset = 0
         for o in flat_out:
             n = o.numel()
-            blocks.append([g[offset:offset + n].view(*o.shape, *x.shape)
+            blocks.append([g[offset:offset + n].view(tuple(o.shape) + tuple(x.shape))
                            for g, x in zip(flat_grads, flat_in)])
             offset += n
         jac = _nest(blocks, out_spec, (flat_in, in_spec), nums)
@@ -135,7 +135,7 @@ def jacfwd(func: Callable, argnums: Argnums = 0, has_aux: bool = False, *,
             for x in flat_in:
                 n = x.numel()
                 blk = t[offset:offset + n]                      # [n, *o_shape]
-                blk = blk.movedim(0, -1).reshape(*o_shape, *x.shape)
+                blk = blk.movedim(0, -1).reshape(tuple(o_shape) + tuple(x.shape))
                 row.append(blk)
                 offset += n
             blocks.append(row)

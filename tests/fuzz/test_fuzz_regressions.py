@@ -20,9 +20,15 @@ def _g(seed):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: jacrev/jacfwd/hessian w.r.t. a 0-d input raise "
-                                       "TypeError (view()/reshape() with an empty shape)")
+@pytest.mark.xfail(strict=True, reason="BUG: vmap(hessian(f)) over 0-d examples hits torch's "
+                                       "INTERNAL ASSERT has_fw_view (tangent layout)")
+def test_vmap_of_hessian_of_0d_examples_internal_assert():
+    x = torch.randn(2, dtype=D, generator=_g(0))
+    torch.testing.assert_close(ft.vmap(ft.hessian(torch.sin), chunk_size=1)(x), -torch.sin(x))
+
+
 def test_jacobian_wrt_0d_input():
+    """Raised TypeError: view()/reshape() were given an empty shape as unpacked arguments."""
     x = torch.tensor(0.3, dtype=D)
     torch.testing.assert_close(ft.jacrev(torch.sin)(x), torch.cos(x))
     torch.testing.assert_close(ft.jacfwd(torch.sin)(x), torch.cos(x))
