@@ -83,7 +83,11 @@ def jvp_impl(func, primals, tangents, has_aux, api):
     flat_p, flat_t, spec = _check_primals_tangents(primals, tangents, api)
     # One dual level at a time in the whole process (see _levels.forward_ad_state): a jvp
     # inside another (this thread's or another thread's) takes the exact double-vjp route.
-    if _levels.forward_ad_state() != "none" or not _levels.claim_forward_ad():
+    # So does a jvp whose results something outside differentiates (grad(jvp(f))): reverse
+    # mode over PyTorch's forward-AD formulas is not always possible (softmax's formula
+    # modifies a saved exp() in place, and plain PyTorch raises there too).
+    if _levels.forward_ad_state() != "none" or \
+            outer_needs_graph(list(flat_p) + list(flat_t)) or not _levels.claim_forward_ad():
         return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api)
     try:
         return _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api)

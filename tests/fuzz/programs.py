@@ -1172,14 +1172,9 @@ def _rev_over_fwd(kinds) -> bool:
 def known_bug(case: Case) -> Optional[str]:
     src = case.program.source()
     kinds = _kinds(case)
-    ad = [k for k in kinds if k != "vmap"]
     for layer, ins, _ in _inner_sigs(case):
         if layer.kind == "jac" and tuple(ins[layer.argnum]) == () and "vmap" in kinds:
             return "test_vmap_of_hessian_of_0d_examples_internal_assert"
-    if "softmax" in src and _rev_over_fwd(kinds):
-        return "test_grad_of_jvp_of_softmax"
-    if "layer_norm" in src and len(ad) >= 2 and any(k in FORWARD for k in ad):
-        return "test_nested_forward_mode_layer_norm"
     if "addcmul" in src and any(k in FORWARD for k in kinds):
         return "test_jacfwd_of_addcmul_with_unbatched_self_segfaults"
     fwd = [i for i, k in enumerate(kinds) if k in ("jvp", "linearize", "jac:fwd", "jac:hessian")]
