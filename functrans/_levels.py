@@ -16,6 +16,8 @@ import itertools
 import threading
 from typing import Iterator, List
 
+import torch.autograd.forward_ad as fwAD
+
 _ids = itertools.count(1)
 _tls = threading.local()
 
@@ -83,7 +85,6 @@ _forward_ad_owner: "int | None" = None
 def forward_ad_state() -> str:
     """'none' (no dual level is open), 'mine' (functrans opened it in this thread), 'other'
     (functrans opened it in another thread) or 'user' (someone's own ``dual_level()``)."""
-    import torch.autograd.forward_ad as fwAD
     if getattr(fwAD, "_current_level", -1) < 0:
         return "none"
     owner = _forward_ad_owner

@@ -125,16 +125,34 @@ def detach_tree(tree: Any) -> Any:
     return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
 
-def zeros_for_none(grads, inputs) -> List[torch.Tensor]:
-    """The gradients, zeros for unused inputs; refuses a gradient that is a BatchedTensor of a
-    vmap that has returned (a backward pass computed with a tensor that escaped it)."""
+def gradients(outputs: List[torch.Tensor], inputs: List[torch.Tensor], cotangents, api: str,
+              **grad_kwargs) -> List[torch.Tensor]:
+    """``torch.autograd.grad(outputs, inputs, cotangents)`` for every transform: zeros for
+    inputs the outputs do not depend on (no outputs at all: all zeros), autograd's "backward
+    through the graph a second time" explained when the function called ``.backward()``
+    itself, and a gradient that is a BatchedTensor of a vmap that has returned refused (the
+    backward pass computed with a tensor that escaped it)."""
+    grads = [None] * len(inputs)
+    if outputs:
+        try:
+            grads = torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True,
+                                        **grad_kwargs)
+        except RuntimeError as e:
+            if any(t.is_leaf and t.grad is not None for t in inputs):  # .backward() inside
+                raise TransformArgumentError(
+                    f"{api}: the function called .backward() (or torch.autograd.backward) on "
+                    "its own output, which used up the graph the transform differentiates. Do "
+                    "not call .backward() inside a transform: return the loss and let the "
+                    "transform compute the gradient (grad / vjp), or call .backward() outside "
+                    "the transform.") from e
+            raise
     for g in grads:
         if type(g) is BatchedTensor and not g.level.alive:
             raise EscapedBatchedTensorError(
-                f"the gradient is a BatchedTensor of a vmap (level {g.level.id}) that has "
-                "already returned: the backward pass computed with a tensor that escaped that "
-                "vmap (captured by a custom autograd.Function's backward, a hook or a closure). "
-                "Return the tensor from the vmapped function instead of capturing it.")
+                f"{api}: the gradient is a BatchedTensor of a vmap (level {g.level.id}) that "
+                "has already returned: the backward pass computed with a tensor that escaped "
+                "that vmap (captured by a custom autograd.Function's backward, a hook or a "
+                "closure). Return the tensor from the vmapped function instead of capturing it.")
     return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
 
 
@@ -149,15 +167,3 @@ def flatten_tensor_outputs(out: Any, api: str):
                 "has_aux=True instead.")
     return flat_out, out_spec
 
-
-def backward_inside_error(err: RuntimeError, flat_inputs, api: str):
-    """A clearer error than autograd's "backward through the graph a second time" when the
-    function called ``.backward()`` itself (its gradient landed in the inputs' ``.grad``); None
-    when that is not what happened."""
-    if not any(t.is_leaf and t.grad is not None for t in flat_inputs):
-        return None
-    return TransformArgumentError(
-        f"{api}: the function called .backward() (or torch.autograd.backward) on its own "
-        "output, which used up the graph the transform differentiates. Do not call "
-        ".backward() inside a transform: return the loss and let the transform compute the "
-        "gradient (grad / vjp), or call .backward() outside the transform.")

@@ -15,9 +15,9 @@ import torch
 from .. import _levels
 from .._pytree import tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError
-from ._differentiable import (Argnums, backward_inside_error, detach_tree,
-                              make_differentiable, normalize_argnums, outer_needs_graph,
-                              replace_argnums, select_argnums, split_aux, zeros_for_none)
+from ._differentiable import (Argnums, detach_tree, gradients, make_differentiable,
+                              normalize_argnums, outer_needs_graph, replace_argnums,
+                              select_argnums, split_aux)
 
 
 def grad_and_value(func: Callable, argnums: Argnums = 0, has_aux: bool = False) -> Callable:
@@ -79,18 +79,8 @@ def grad_and_value_impl(func, argnums, has_aux, args, kwargs, api):
                 f"{api_call}: the function must return a scalar (0-d) tensor, got shape "
                 f"{tuple(out.shape)}. Reduce it (e.g. .sum() or .mean()), or use vjp or jacrev "
                 "for non-scalar outputs.")
-        if out.requires_grad:
-            try:
-                grads = torch.autograd.grad(out, flat_inputs, create_graph=keep_graph,
-                                            allow_unused=True)
-            except RuntimeError as e:
-                clearer = backward_inside_error(e, flat_inputs, api_call)
-                if clearer is None:
-                    raise
-                raise clearer from e
-        else:
-            grads = [None] * len(flat_inputs)
-    grads = zeros_for_none(grads, flat_inputs)
+        grads = gradients([out] if out.requires_grad else [], flat_inputs, None, api_call,
+                          create_graph=keep_graph)
     _, spec = tree_flatten(chosen)
     g = tree_unflatten(grads, spec)
     if not keep_graph:

@@ -23,8 +23,6 @@ from ._differentiable import (detach_tree, flatten_tensor_outputs, make_differen
                               outer_needs_graph, split_aux)
 
 
-
-
 def _check_primals_tangents(primals, tangents, api: str):
     if not isinstance(primals, (tuple, list)):
         raise TransformArgumentError(
@@ -110,10 +108,9 @@ def _no_forward_formula(e: BaseException) -> bool:
 
 
 def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api):
-    # Whether anything outside needs the results to stay differentiable; if not, they are
-    # detached (a graph made inside f, e.g. by the jacrev in hessian = jacfwd(jacrev(f)),
-    # would otherwise stay alive on every result).
-    keep_graph = outer_needs_graph(list(flat_p) + list(flat_t))
+    # jvp_impl takes this route only when nothing outside differentiates the results, so
+    # they are detached: a graph made inside f (the jacrev in hessian = jacfwd(jacrev(f)))
+    # would otherwise stay alive on every result.
     level = _levels.Level("jvp")
     with _levels.pushed(level), fwAD.dual_level():
         duals = [fwAD.make_dual(p, t) for p, t in zip(flat_p, flat_t)]
@@ -130,11 +127,9 @@ def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api):
         if aux is not None:
             aux = tree_unflatten([fwAD.unpack_dual(a).primal if isinstance(a, torch.Tensor)
                                   else a for a in tree_flatten(aux)[0]], tree_flatten(aux)[1])
-    if not keep_graph:
-        primals_out = [t.detach() for t in primals_out]
-        tangents_out = [t.detach() for t in tangents_out]
-        aux = detach_tree(aux) if aux is not None else None
-    result = (tree_unflatten(primals_out, out_spec), tree_unflatten(tangents_out, out_spec))
+    result = (detach_tree(tree_unflatten(primals_out, out_spec)),
+              detach_tree(tree_unflatten(tangents_out, out_spec)))
+    aux = detach_tree(aux) if aux is not None else None
     return result + (aux,) if has_aux else result
 
 

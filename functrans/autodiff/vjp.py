@@ -13,9 +13,8 @@ import torch
 from .. import _levels
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError
-from ._differentiable import (backward_inside_error, detach_tree, flatten_tensor_outputs,
-                              make_differentiable, outer_needs_graph, split_aux,
-                              zeros_for_none)
+from ._differentiable import (detach_tree, flatten_tensor_outputs, gradients,
+                              make_differentiable, outer_needs_graph, split_aux)
 
 
 def vjp(func: Callable, *primals: Any, has_aux: bool = False):
@@ -81,20 +80,9 @@ def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec, flat_inputs, primals, a
             if o.requires_grad:
                 outs.append(o)
                 cts.append(c)
-        if outs:
-            with torch.enable_grad():
-                try:
-                    grads = torch.autograd.grad(outs, flat_inputs, cts,
-                                                retain_graph=retain_graph,
-                                                create_graph=create_graph, allow_unused=True)
-                except RuntimeError as e:
-                    clearer = backward_inside_error(e, flat_inputs, api)
-                    if clearer is None:
-                        raise
-                    raise clearer from e
-        else:
-            grads = [None] * len(flat_inputs)
-        grads = zeros_for_none(grads, flat_inputs)
+        with torch.enable_grad():
+            grads = gradients(outs, flat_inputs, cts, api, retain_graph=retain_graph,
+                              create_graph=create_graph)
         return tuple(tree_unflatten(grads, primals_spec))
 
     return vjp_fn

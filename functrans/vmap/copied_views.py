@@ -53,20 +53,23 @@ def check_write(op, target: torch.Tensor) -> None:
     _prune()
     ptr = _storage_ptr(target)
     for _, copy_ptr, base_ptr, kind in _copies:
-        if ptr in (copy_ptr, base_ptr) and kind == LAZY_BIT:
-            raise UnsupportedUnderVmap(
-                f"vmap: {op} writes in place into a tensor that shares memory with the result "
-                "of .conj() (or torch._neg_view). In eager that result is a lazy view with a "
-                "conjugate (negative) bit; under vmap it is a materialised copy, because the "
-                "bit cannot be carried on a batched tensor, so the write would not reach the "
-                "other tensor. Write into the original tensor and take .conj() afterwards, or "
-                "compute out of place (e.g. y = x.conj() * 2).")
         if ptr in (copy_ptr, base_ptr):
             raise UnsupportedUnderVmap(
-                f"vmap: {op} writes in place into a tensor that shares memory with the result "
-                "of .view(), but under vmap that view had to be a copy: the tensor's batch "
-                "dim is not its first dim (in_dims other than 0, or an op that kept such a "
-                "layout), so its memory layout differs from eager's and the view could not "
-                "alias it. The write would not reach the other tensor. Call .contiguous() "
-                "before .view(), pass in_dims=0, or write out of place (torch.where, "
-                "index_put without the trailing underscore).")
+                f"vmap: {op} writes in place into a tensor that shares memory with "
+                + _WHY[kind])
+
+
+# Why the copy exists and what to do instead, by the kind ``record`` was given.
+_WHY = {
+    VIEW: "the result of .view(), but under vmap that view had to be a copy: the tensor's "
+          "batch dim is not its first dim (in_dims other than 0, or an op that kept such a "
+          "layout), so its memory layout differs from eager's and the view could not alias it. "
+          "The write would not reach the other tensor. Call .contiguous() before .view(), pass "
+          "in_dims=0, or write out of place (torch.where, index_put without the trailing "
+          "underscore).",
+    LAZY_BIT: "the result of .conj() (or torch._neg_view). In eager that result is a lazy view "
+              "with a conjugate (negative) bit; under vmap it is a materialised copy, because "
+              "the bit cannot be carried on a batched tensor, so the write would not reach the "
+              "other tensor. Write into the original tensor and take .conj() afterwards, or "
+              "compute out of place (e.g. y = x.conj() * 2).",
+}

@@ -74,6 +74,10 @@ def run(rank, world, init_method, modes, out_dir):
         for mode in modes:
             params = run_mode(rank, world, mode)
             torch.save(params, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
+        # Both ranks are done with every collective before either tears gloo down (a rank
+        # that exits while its peer's gloo threads still talk to it was seen to abort with
+        # "terminate called without an active exception" under load).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -125,12 +125,9 @@ def _dims_rule(op, empty_means_all: bool = True):
             if isinstance(dim, int):
                 dim = (dim,)
             if dim:
-                bdim, rank = in_dims[0], x.dim() - 1
-                phys = [physical_dim(d, bdim, rank) for d in dim]
-                keepdim = len(args) > 1 and args[1]
+                x, phys, _, out_bdim = _plan(x, in_dims[0], dim, len(args) > 1 and args[1])
                 out = call(x, phys, *args[1:])
-                return out, _dims_like(out, bdim if keepdim else
-                                       bdim - sum(p < bdim for p in set(phys)))
+                return out, _dims_like(out, out_bdim)
         return _reduce_dims(op, x, in_dims[0], _params(op, args, kwargs), empty_means_all)
     rule.__name__ = f"reduce_dims_rule[{op}]"
     return rule
