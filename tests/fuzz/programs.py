@@ -687,7 +687,6 @@ def fam_conv(b: ProgramBuilder, a: Var):
     C = s[1] if batched_in else s[0]
     sizes = s[-spatial:]
     if c.boolean(0.25):
-        kind = "pool"
         k = c.integer(1, min(sizes))
         fn = c.choice(["avg_pool", "max_pool"])
         return f"F.{fn}{spatial}d({n}, {k})", False
@@ -1157,16 +1156,6 @@ def _inner_sigs(case: Case):
     for layer in case.layers:
         yield layer, ins, outs
         ins, outs = layer.sig(ins, outs)
-
-
-def _rev_over_fwd(kinds) -> bool:
-    """A reverse-mode layer outside a forward-mode one (hessian = jacfwd(jacrev))."""
-    prim = []
-    for k in kinds:
-        prim += ["jac:rev", "jac:fwd"] if k == "jac:hessian" else [k]
-    return any(k in ("grad", "vjp", "jac:rev") and
-               any(j in ("jvp", "linearize", "jac:fwd") for j in prim[:i])
-               for i, k in enumerate(prim))
 
 
 def known_bug(case: Case) -> Optional[str]:
