@@ -18,9 +18,30 @@ from ..registry import register_batch_rule
 aten = torch.ops.aten
 
 
-for _op in (aten.detach.default, aten.alias.default, aten.zero_.default,
-            aten.fill_.Scalar):
+for _op in (aten.alias.default, aten.zero_.default, aten.fill_.Scalar):
     register_batch_rule(_op, keep_bdim_rule(_op))
+
+
+# Note [detach by the autograd engine]
+# Autograd detaches tensors itself: a saved OUTPUT (exp, tanh, sigmoid, softmax... save their
+# result) is stored as a shallow copy made with ``detach``, and unpacked the same way.  That
+# detach must cut only the wrappers' own graph (the level of the transform inside the vmap that
+# saved the output): the physical value stays an alias in the graph of a transform outside the
+# vmap (Note [autograd on physical values]), or ``grad(vmap(grad(exp)))`` loses every term
+# through a saved output.  A user's ``x.detach()`` cuts every level, as ``torch.func``'s and
+# JAX's stop_gradient do.  The two are told apart by where the call comes from: a user's reaches
+# ``__torch_dispatch__`` from below the Autograd dispatch key, which excludes the autograd keys;
+# the engine calls the wrapper's detach directly, with none excluded.  AutogradOther is the key
+# to test: ``autograd_on_physical_values`` re-enables AutogradFunctionality around the rule, and
+# leaves AutogradOther excluded.
+_AUTOGRAD_OTHER = torch._C.DispatchKey.AutogradOther
+
+
+@register_batch_rule(aten.detach.default)
+def detach_rule(info, in_dims, x):
+    if torch._C._dispatch_tls_local_exclude_set().has(_AUTOGRAD_OTHER):
+        return x.detach(), in_dims[0]          # the user's detach: every level
+    return aten.alias(x), in_dims[0]           # the engine's: this level only
 
 
 # Note [conjugate and negative bits]
