@@ -143,7 +143,10 @@ def _double_vjp_setup(func, flat_p, spec, has_aux, api):
         out, aux = split_aux(out, api)
     flat_out, out_spec = flatten_tensor_outputs(out, api)
     live = [o for o in flat_out if o.requires_grad]
-    dummies = [torch.zeros_like(o).requires_grad_() for o in live]
+    # J^T u is linear in u, so its derivative is the same at any u; u = 1 rather than 0
+    # because some backward formulas are smooth in their incoming gradient only away from 0
+    # (logcumsumexp's takes log|grad|: at 0 its derivative is 0 * inf = NaN).
+    dummies = [torch.ones_like(o).requires_grad_() for o in live]
     if live:
         vjps = torch.autograd.grad(live, flat_in, dummies, create_graph=True, allow_unused=True)
     else:

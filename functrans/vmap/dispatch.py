@@ -38,6 +38,7 @@ import functools
 from typing import Any, Dict, List, Tuple
 
 import torch
+import torch.autograd.forward_ad as _fwAD
 
 from ..errors import EscapedBatchedTensorError, UnsupportedUnderVmap
 from . import copied_views, registry
@@ -197,7 +198,31 @@ def autograd_on_physical_values():
         return contextlib.nullcontext()
     for key in _AUTOGRAD_KEYS:
         exclude = exclude.remove(key)
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+    guard = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+    if _fwAD._current_level < 0:
+        return guard
+    return _WithoutForwardAD(guard)
+
+
+class _WithoutForwardAD:
+    """Reverse mode only for the physical ops of a rule while a dual level is open.  Forward AD
+    has already run on the wrappers (the op's tangent is computed above __torch_dispatch__);
+    a dual tensor among the physical values (an unbatched primal of a jvp inside the vmap,
+    whose tangent is batched) would have its tangent propagated a second time, on physical
+    layouts that forward AD's view/layout bookkeeping does not expect (a crash in PyTorch)."""
+    __slots__ = ("guard", "prev")
+
+    def __init__(self, guard):
+        self.guard = guard
+
+    def __enter__(self):
+        self.guard.__enter__()
+        self.prev = _fw_grad_enabled()
+        _set_fw_grad_enabled(False)
+
+    def __exit__(self, *exc):
+        _set_fw_grad_enabled(self.prev)
+        return self.guard.__exit__(*exc)
 
 
 def _inplace_view(op, args, kwargs, level):
@@ -219,6 +244,7 @@ def _inplace_view(op, args, kwargs, level):
 
 
 _fw_grad_enabled = torch._C._is_fwd_grad_enabled
+_set_fw_grad_enabled = torch._C._set_fwd_grad_enabled
 _inference_mode = torch.is_inference_mode_enabled
 
 

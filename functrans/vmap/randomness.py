@@ -116,10 +116,17 @@ class VmapRandomMode(TorchDispatchMode):
             return batched_empty(func, args, kwargs, self.level)
         if types == _ONLY_BATCHED:
             return dispatch(func, args, kwargs, meta)
+        if func is _EFFICIENT_ZEROS:
+            # Forward AD makes the tangent of an input that has none (a closed-over tensor)
+            # with _efficientzerotensor.  A storage-less ZeroTensor that reaches a Python mode
+            # is passed on to kernels with no ZeroTensor handling (aten.mul.Scalar in
+            # addcmul's formula): a segmentation fault in PyTorch.  Materialise it.
+            return _aten.zeros.default(*args, **kwargs)
         return func(*args, **kwargs)
 
 
 _ONLY_BATCHED = (BatchedTensor,)
+_EFFICIENT_ZEROS = torch.ops.aten._efficientzerotensor.default
 
 
 def batched_empty(op, args, kwargs, level):

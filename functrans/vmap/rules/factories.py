@@ -139,8 +139,13 @@ def new_zeros_with_same_feature_meta_rule(info, in_dims, self, other, *,
     ``self``; a batched ``other`` carries its batch inside its own layout."""
     op = torch.ops.aten._new_zeros_with_same_feature_meta.default
     if in_dims[1] is not None:
-        if self_num_batch_dims:
-            raise Decline()
-        return op(self, other), in_dims[1]
+        # Laid out like ``other``'s physical value (its batch dim kept where it is), so each
+        # example's strides and storage offset are ``other``'s: forward AD compares them
+        # (has_same_meta) for every view of a dual tensor.  Only the sizes of ``self``'s
+        # leading dims matter, and they are the same for every example.
+        if self_num_batch_dims and in_dims[0] is not None:
+            self = self.select(in_dims[0], 0)
+        return op(self, other, self_num_batch_dims=self_num_batch_dims), \
+            in_dims[1] + self_num_batch_dims
     front = ensure_bdim_front(self, in_dims[0], info.batch_size)
     return op(front, other, self_num_batch_dims=self_num_batch_dims + 1), 0
