@@ -111,6 +111,60 @@ def outer_needs_graph(tensors: Sequence[Any]) -> bool:
     return any(requires_grad_anywhere(t) for t in tensors)
 
 
+def _accumulate_grad_type():
+    with torch.enable_grad():
+        leaf = torch.zeros(1, requires_grad=True)
+        return type(leaf.view(1).grad_fn.next_functions[0][0])
+
+
+_AccumulateGrad = _accumulate_grad_type()
+
+
+def reaches_outside(roots: Sequence[Any], own: Sequence[torch.Tensor]) -> bool:
+    """Whether the autograd graph of ``roots`` reaches a leaf that requires grad other than
+    the transform's own aliases ``own``: a tensor the function closed over (a parameter, a
+    tensor of ordinary autograd outside).  Such a leaf makes the transform's results depend on
+    something outside, so they must stay differentiable (as the reference library's do: its levels
+    unwrap results to the outer level, where they require grad iff they depend on something
+    that requires grad there).  The physical values inside BatchedTensors are walked too: a
+    closed-over BatchedTensor whose physical value requires grad connects only through them
+    (Note [autograd on physical values]).  Cost: one visit per graph node, stopping at the
+    first outside leaf."""
+    own_ids = {id(t) for t in own}
+    todo = []
+    for r in roots:
+        while isinstance(r, torch.Tensor):
+            fn = r.grad_fn
+            if fn is not None:
+                todo.append(fn)
+            elif r.requires_grad and id(r) not in own_ids:
+                return True
+            if type(r) is not BatchedTensor:
+                break
+            r = r.value
+    seen = set(todo)
+    acc = _AccumulateGrad
+    while todo:
+        for nxt, _ in todo.pop().next_functions:
+            if nxt is None or nxt in seen:
+                continue
+            seen.add(nxt)
+            if type(nxt) is acc:
+                if id(nxt.variable) not in own_ids:
+                    return True
+            else:
+                todo.append(nxt)
+    return False
+
+
+def connected_outside(pre: bool, grad_on: bool, roots: Sequence[Any],
+                      own: Sequence[torch.Tensor]) -> bool:
+    """Whether a transform's results must stay differentiable: ``pre`` (``outer_needs_graph``
+    of its inputs, decided before running the function) or, when grad mode was on outside the
+    transform (``grad_on``), a closed-over tensor that requires grad in ``roots``' graph."""
+    return pre or (grad_on and reaches_outside(roots, own))
+
+
 def split_aux(out: Any, api: str):
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise TransformArgumentError(

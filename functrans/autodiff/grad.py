@@ -15,9 +15,9 @@ import torch
 from .. import _levels
 from .._pytree import tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError
-from ._differentiable import (Argnums, detach_tree, gradients, make_differentiable,
-                              normalize_argnums, outer_needs_graph, replace_argnums,
-                              select_argnums, split_aux)
+from ._differentiable import (Argnums, connected_outside, detach_tree, gradients,
+                              make_differentiable, normalize_argnums, outer_needs_graph,
+                              replace_argnums, select_argnums, split_aux)
 
 
 def grad_and_value(func: Callable, argnums: Argnums = 0, has_aux: bool = False) -> Callable:
@@ -61,6 +61,7 @@ def grad_and_value_impl(func, argnums, has_aux, args, kwargs, api):
     argnums = normalize_argnums(argnums, len(args), api_call)
     chosen = select_argnums(args, argnums)
     keep_graph = outer_needs_graph(tree_flatten(chosen)[0])
+    grad_on = torch.is_grad_enabled()
     level = _levels.Level("grad")
     with _levels.pushed(level), torch.enable_grad():
         diff, flat_inputs = make_differentiable(chosen, api_call, f"args[{argnums}]"
@@ -79,6 +80,11 @@ def grad_and_value_impl(func, argnums, has_aux, args, kwargs, api):
                 f"{api_call}: the function must return a scalar (0-d) tensor, got shape "
                 f"{tuple(out.shape)}. Reduce it (e.g. .sum() or .mean()), or use vjp or jacrev "
                 "for non-scalar outputs.")
+        # A closed-over tensor that requires grad (a parameter: gradient penalties) also
+        # needs the graph, as in the reference library; found by walking the function's graph.
+        keep_graph = connected_outside(keep_graph, grad_on,
+                                       [out] + (tree_flatten(aux)[0] if has_aux else []),
+                                       flat_inputs)
         grads = gradients([out] if out.requires_grad else [], flat_inputs, None, api_call,
                           create_graph=keep_graph)
     _, spec = tree_flatten(chosen)

@@ -13,8 +13,9 @@ import torch
 from .. import _levels
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError
-from ._differentiable import (detach_tree, flatten_tensor_outputs, gradients,
-                              make_differentiable, outer_needs_graph, split_aux)
+from ._differentiable import (connected_outside, detach_tree, flatten_tensor_outputs,
+                              gradients, make_differentiable, outer_needs_graph,
+                              split_aux)
 
 
 def vjp(func: Callable, *primals: Any, has_aux: bool = False):
@@ -31,6 +32,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False):
 
 def vjp_impl(func: Callable, primals: tuple, has_aux: bool, api: str):
     keep_graph = outer_needs_graph(tree_flatten(primals)[0])
+    grad_on = torch.is_grad_enabled()
     level = _levels.Level("grad")
     with _levels.pushed(level), torch.enable_grad():
         diff_primals, flat_inputs = make_differentiable(primals, api, "primals")
@@ -39,14 +41,20 @@ def vjp_impl(func: Callable, primals: tuple, has_aux: bool, api: str):
         if has_aux:
             out, aux = split_aux(out, api)
         flat_out, out_spec = flatten_tensor_outputs(out, api)
-    vjp_fn = _make_vjp_fn(flat_out, out_spec, flat_inputs, primals, api)
+    # Results stay differentiable (and vjp_fn builds a graph) only when they are connected to
+    # something outside: an input that requires grad, an outer transform, or a closed-over
+    # tensor that requires grad.  Otherwise they do not require grad, as the reference library's.
+    aux_flat = tree_flatten(aux)[0] if has_aux else []
+    keep_graph = connected_outside(keep_graph, grad_on, flat_out + aux_flat, flat_inputs)
+    vjp_fn = _make_vjp_fn(flat_out, out_spec, flat_inputs, primals, api, keep_graph)
     result_out = out if keep_graph else detach_tree(out)
     if has_aux:
         return result_out, vjp_fn, (aux if keep_graph else detach_tree(aux))
     return result_out, vjp_fn
 
 
-def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec, flat_inputs, primals, api: str):
+def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec, flat_inputs, primals, api: str,
+                 connected: bool):
     _, primals_spec = tree_flatten(primals)
 
     def vjp_fn(cotangents: Any, *, retain_graph: bool = True, create_graph: bool = None):
@@ -74,7 +82,11 @@ def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec, flat_inputs, primals, a
                     f"{leaf_paths(cotangents, 'cotangents')[i]}) for an output of dtype "
                     f"{o.dtype}; convert it with .to({o.dtype}).")
         if create_graph is None:
-            create_graph = outer_needs_graph(flat_inputs + flat_ct) and torch.is_grad_enabled()
+            # The aliases always require grad, so they say nothing: the graph is needed when
+            # the function's graph reaches outside (``connected``), a cotangent requires grad,
+            # or a transform is active around this call.
+            create_graph = torch.is_grad_enabled() and (
+                connected or outer_needs_graph(flat_ct))
         outs, cts = [], []
         for o, c in zip(flat_out, flat_ct):
             if o.requires_grad:
