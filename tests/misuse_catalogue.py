@@ -102,7 +102,7 @@ ENTRIES = [
        def f(a):
            return a[int(a.argmax())]
        ft.vmap(f)(x)
-       """, U, r"int\(\)/float\(\).*torch\.where", ("int()", "torch.where"),
+       """, U, r"int\(\)/float\(\).*torch\.where.*x\[k\]", ("int()", "torch.where", "x[k]"),
        which=NA, torch_func=_ITEM_TF),
     _e("tolist", "`.tolist()` inside vmap",
        """
@@ -130,6 +130,14 @@ ENTRIES = [
        ft.vmap(lambda a: a[a > 0])(x)
        """, U, r"shape depends on the values.*torch\.where\(mask, x, 0\)",
        ("aten.index.Tensor", "torch.where(mask, x, 0)"),
+       torch_func="RuntimeError: \"vmap: We do not support batching operators that can "
+                  "support dynamic shape\" (no fix suggested)"),
+    _e("zero_d_bool_index", "indexing with a per-example 0-d boolean (`x[m]`, m a single "
+       "True/False per example)",
+       """
+       ft.vmap(lambda a, m: a[m])(x, x[:, 0] > 0)
+       """, U, r"0-d boolean.*size 1 if True, of size 0 if False.*torch\.where\(mask, x, other\)",
+       ("x[mask]", "torch.where(mask, x, other)"),
        torch_func="RuntimeError: \"vmap: We do not support batching operators that can "
                   "support dynamic shape\" (no fix suggested)"),
     # --- in-place writes into unbatched tensors ---------------------------------------------

@@ -9,12 +9,19 @@ it goes to ``functrans.vmap.dispatch.dispatch``.
 """
 from __future__ import annotations
 
+from operator import attrgetter as _attrgetter
+
 import torch
 
 from ..errors import UnsupportedUnderVmap
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_disabled_torch_function = torch._C._disabled_torch_function_impl
+_INDEX_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+                           torch.uint16, torch.uint32, torch.uint64, torch.bool})
+_GETITEM = torch._C.TensorBase.__getitem__
+_SETITEM = torch._C.TensorBase.__setitem__
 _STRIDED = torch.strided
 
 
@@ -44,9 +51,20 @@ class BatchedTensor(torch.Tensor):
         return out
 
     def __init__(self, value, bdim, level):  # state is set in __new__
-        pass
+        if value.dim() == 1 and value.dtype in _INDEX_DTYPES:  # logically 0-d: maybe an index
+            self._torch_function = _scalar_index_torch_function
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # ``__torch_function__`` is disabled (PyTorch's fast path) on every wrapper except the
+    # logically 0-d integer/bool ones: Python indexing calls ``.item()`` on a 0-d integer index
+    # (x[k]), which has no per-example answer, so those wrappers intercept ``__getitem__`` /
+    # ``__setitem__`` (see ``_scalar_index_torch_function``).  PyTorch's C++ check looks the
+    # attribute up on the instance (here a C-level property + attrgetter), and every other
+    # wrapper answers PyTorch's disabled impl, so ordinary ops keep the fast path.  Looked up on
+    # the class the property is "enabled", so torch.overrides' Python helpers route a call with
+    # a 0-d index among its arguments through the instances' values.
+    __torch_function__ = property(_attrgetter("_torch_function"))
+    _torch_function = _disabled_torch_function
+
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -72,9 +90,40 @@ class BatchedTensor(torch.Tensor):
     def __array__(self, *args, **kwargs):
         return self.numpy()
 
+    # ``x.data`` would reach the dispatcher as the autograd engine's own detach, which cuts only
+    # the wrappers' graph (Note [detach by the autograd engine]); a user's ``.data`` means
+    # "no gradient at all", so it is a detach.  Assigning ``.data`` would swap the wrapper's
+    # storage behind the vmap's back: refused.
+    @property
+    def data(self):
+        return self.detach()
+
+    @data.setter
+    def data(self, new):
+        raise UnsupportedUnderVmap(
+            "vmap: assigning x.data = ... on a batched tensor inside a vmapped function is "
+            "not supported: the batched value cannot be swapped for another tensor. Use "
+            "`with torch.no_grad(): x.copy_(new)`, or compute a new tensor and return it.")
+
 
 def is_batched(x) -> bool:
     return isinstance(x, BatchedTensor)
+
+
+def _scalar_index_torch_function(func, types, args=(), kwargs=None):
+    """``__torch_function__`` of a logically 0-d integer/bool wrapper: ``x[k]`` and
+    ``x[k] = v`` with such a ``k`` are batched in rules/indexing.py; everything else runs as
+    with torch function disabled."""
+    if func is _GETITEM or func is _SETITEM:
+        from .rules.indexing import getitem_with_batched_scalars, setitem_with_batched_scalars
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is _GETITEM:
+                out = getitem_with_batched_scalars(*args)
+            else:
+                out = setitem_with_batched_scalars(*args)
+        if out is not NotImplemented:
+            return out
+    return _disabled_torch_function(func, types, args, kwargs or {})
 
 
 from .dispatch import dispatch as _dispatch  # noqa: E402  (circular: dispatch needs the class)

@@ -598,12 +598,144 @@ def test_inplace_through_real_views_of_complex_inputs():
         assert_same(for_vmap, for_loop, msg="the input after the in-place op")
 
 
-@pytest.mark.xfail(strict=True, raises=ft.errors.UnsupportedUnderVmap,
-                   reason="GAP: indexing with a batched 0-d integer tensor (w[k]) goes through "
-                   "Python's integer-index path (.item()) and raises; torch.func treats it as "
-                   "an advanced index and returns the loop's result")
-@pytest.mark.parametrize("w_dim", [None, 0])
+# Python indexing treats a 0-d integer tensor as an int (eager calls .item() and selects); under
+# vmap each example's k_i selects its own row, as the loop does.
+@pytest.mark.parametrize("w_dim", [None, 0, 1])
 def test_index_with_batched_zero_d_integer_tensor(w_dim):
     k = torch.tensor([0, 2, 1, 0])
-    w = torch.randn(3, 2) if w_dim is None else torch.randn(4, 3, 2)
+    w = {None: torch.randn(3, 2), 0: torch.randn(4, 3, 2), 1: torch.randn(3, 4, 2)}[w_dim]
     compare(plain(lambda k, w: w[k]), [k, w], [0, w_dim])
+
+
+ZERO_D_INDEXINGS = {
+    "k_slice": lambda k, w: w[k, 1:],
+    "slice_k": lambda k, w: w[:, k % 2],
+    "ellipsis_k": lambda k, w: w[..., k % 2],
+    "two_batched": lambda k, w: w[k, k % 2],
+    "with_int_and_none": lambda k, w: w[None, k, 1],
+    "with_list": lambda k, w: w[k, [1, 0, 1]],
+    "with_unbatched_0d": lambda k, w: w[torch.tensor(1), k % 2],
+    "int32": lambda k, w: w[k.int()],
+    "negative": lambda k, w: w[k - 3],
+    "then_arith": lambda k, w: w[k] * 2 + w[(k + 1) % 3],
+}
+
+
+@pytest.mark.parametrize("w_dim", [None, 0])
+@pytest.mark.parametrize("name", list(ZERO_D_INDEXINGS))
+def test_index_with_batched_zero_d_integer_tensor_forms(name, w_dim):
+    k = torch.tensor([0, 2, 1, 0])
+    w = torch.randn(3, 2) if w_dim is None else torch.randn(4, 3, 2)
+    compare(plain(ZERO_D_INDEXINGS[name]), [k, w], [0, w_dim])
+
+
+def test_index_with_batched_zero_d_integer_tensor_mixed_with_advanced_indices():
+    # Eager selects first, then places the remaining advanced block where it would be without
+    # the selected dim: here at dim 1, where a 0-d advanced index would have moved it to the front.
+    k = torch.tensor([1, 0, 1, 1])
+    for f, shape in ((lambda k, w: w[[0, 1], :, k], (4, 3, 5, 2)),
+                     (lambda k, w: w[:, [0, 2], :, k], (4, 3, 3, 5, 2))):
+        w = torch.randn(shape)
+        assert_same(ft.vmap(f)(k, w), loop_oracle(f, [0, 0], 4, k, w))
+
+
+def test_index_with_batched_zero_d_integer_tensor_nested():
+    K, W = torch.randint(0, 3, (5, 4)), torch.randn(5, 4, 3, 2)
+    f = lambda k, w: w[k, 1:]
+    assert_same(ft.vmap(ft.vmap(f))(K, W), tf.vmap(tf.vmap(f))(K, W))
+    # k batched at one level only, w at the other
+    inner_k = ft.vmap(ft.vmap(f, in_dims=(0, None)), in_dims=(None, 0))(K[0], W[:, 0])
+    assert_same(inner_k, torch.stack([torch.stack([W[i, 0][K[0, j], 1:] for j in range(4)])
+                                      for i in range(5)]))
+    outer_k = ft.vmap(ft.vmap(f, in_dims=(None, 0)), in_dims=(0, None))(K[:, 0], W[0])
+    assert_same(outer_k, torch.stack([torch.stack([W[0, j][K[i, 0], 1:] for j in range(4)])
+                                      for i in range(5)]))
+
+
+@pytest.mark.parametrize("w_dim", [None, 0])
+def test_index_with_batched_zero_d_integer_tensor_grad(w_dim):
+    k = torch.tensor([0, 2, 1, 0])
+    w = torch.randn(3, 2) if w_dim is None else torch.randn(4, 3, 2)
+    # per-example gradients through w (torch.func cannot run vmap∘grad here: its grad wrapper
+    # hides the batched index and it calls .item(); the loop is the reference)
+    compare(per_sample_grad(lambda w, k: w[k, 1:] * w[k], argnum=0), [w, k], [w_dim, 0],
+            torch_func=False)
+    compare(lambda mod: mod.jacrev(lambda w, k: w[k].sin()), [w, k], [w_dim, 0],
+            torch_func=False)
+    # and the gradient of a vmap over indices, taken outside it
+    g = ft.grad(lambda w: ft.vmap(lambda k: w[k])(k).pow(2).sum())(w[0] if w_dim else w)
+    assert_same(g, tf.grad(lambda w: tf.vmap(lambda k: w[k])(k).pow(2).sum())(
+        w[0] if w_dim else w))
+
+
+def _set(index_fn):
+    def f(k, w, v):
+        x = w.clone()
+        x[index_fn(k)] = v
+        return x
+    return f
+
+
+@pytest.mark.parametrize("v_dim", [None, 0])
+@pytest.mark.parametrize("index_fn, v_shape", [
+    (lambda k: k, (2,)), (lambda k: (k, slice(1, None)), (1,)),
+    (lambda k: (Ellipsis, k % 2), (3,)), (lambda k: (k, [1, 0]), (2,)),
+    (lambda k: k - 3, ())], ids=["k", "k_slice", "ellipsis_k", "k_list", "negative"])
+def test_setitem_with_batched_zero_d_integer_tensor(index_fn, v_shape, v_dim):
+    k = torch.tensor([0, 2, 1, 0])
+    w = torch.randn(4, 3, 2)
+    v = torch.randn(v_shape) if v_dim is None else torch.randn((4,) + v_shape)
+    compare(plain(_set(index_fn)), [k, w, v], [0, 0, v_dim])
+    # a Python number as the value, and gradients through the written values and w
+    compare(plain(lambda k, w: _set(index_fn)(k, w, 7.0)), [k, w], [0, 0])
+    compare(per_sample_grad(lambda w, k, v: _set(index_fn)(k, w * 1, v) * w, argnum=(0, 2)),
+            [w, k, v], [0, 0, v_dim], torch_func=False)
+
+
+def test_setitem_with_batched_zero_d_integer_tensor_into_unbatched_raises():
+    # each example would write its own row into one shared tensor, as with any batched write
+    k, w = torch.tensor([0, 2, 1, 0]), torch.randn(3, 2)
+    with pytest.raises(UnsupportedUnderVmap, match="in-place.*not batched"):
+        ft.vmap(lambda k: _set(lambda k: k)(k, w, 1.0))(k)
+
+
+@pytest.mark.parametrize("w_dim", [None, 0])
+def test_index_with_batched_zero_d_integer_tensor_out_of_range(w_dim):
+    w = torch.randn(3, 2) if w_dim is None else torch.randn(4, 3, 2)
+    for k in (torch.tensor([0, 3, 1, 0]), torch.tensor([0, -4, 1, 0])):
+        with pytest.raises(IndexError, match="out of bounds"):
+            w[k[1]] if w_dim is None else w[0][k[1]]  # eager says the same
+        with pytest.raises(IndexError, match=f"index {k[1].item()} is out of bounds"):
+            ft.vmap(lambda k, w: w[k], in_dims=(0, w_dim))(k, w)
+
+
+def test_index_with_batched_zero_d_bool_tensor():
+    # eager: x[True] is x.unsqueeze(0), x[False] is empty: per-example shapes differ, so reading
+    # raises (as torch.func does); writing x[m] = v keeps the shape and is a torch.where
+    m, w = torch.tensor([True, False, True, False]), torch.randn(4, 3, 2)
+    for f in (lambda m, w: w[m], lambda m, w: w[m, 0]):
+        with pytest.raises(UnsupportedUnderVmap, match=r"0-d boolean.*torch\.where"):
+            ft.vmap(f)(m, w)
+    f = _set(lambda m: m)
+    for v, v_dim in ((torch.randn(4, 3, 2), 0), (torch.randn(4, 1, 3, 2), 0),
+                     (torch.randn(2), None)):
+        assert_same(ft.vmap(f, in_dims=(0, 0, v_dim))(m, w, v),
+                    loop_oracle(f, [0, 0, v_dim], 4, m, w, v))
+    g = lambda m, w: f(m, w, 5.0)
+    assert_same(ft.vmap(g)(m, w), loop_oracle(g, [0, 0], 4, m, w))
+    with pytest.raises(UnsupportedUnderVmap, match=r"0-d boolean.*torch\.where"):
+        ft.vmap(_set(lambda m: (m, 0)))(m, w, torch.randn(4, 2))
+
+
+def test_other_ops_on_batched_zero_d_integer_tensors_unchanged():
+    # the 0-d integer wrapper only intercepts indexing: arithmetic, Python-level torch
+    # functions (broadcast_tensors, cross_entropy) and .item()'s error are as before
+    k = torch.tensor([0, 2, 1, 0])
+    f = lambda k: (k + 1, k[None], torch.broadcast_tensors(k, torch.zeros(2))[0])
+    for a, b in zip(ft.vmap(f)(k), loop_oracle(f, [0], 4, k)):
+        assert_same(a, b)
+    logits = torch.randn(4, 3)
+    assert_same(ft.vmap(F.cross_entropy)(logits, k),
+                F.cross_entropy(logits, k, reduction="none"))
+    with pytest.raises(UnsupportedUnderVmap, match=r"\.item\(\).*x\[k\]"):
+        ft.vmap(lambda k, w: w[k.item()], in_dims=(0, None))(k, torch.randn(3))

@@ -25,7 +25,9 @@ def local_scalar_dense_rule(info, in_dims, x):
         "reached by .item(), bool(tensor), int()/float(), or Python control flow such as "
         "`if x > 0:` / `while x.sum() > 1:`). Under vmap the value differs per example, so no "
         "single Python value exists. Keep the computation in tensors: replace the branch with "
-        "torch.where(cond, a, b) (compute both sides), or move the control flow outside vmap.")
+        "torch.where(cond, a, b) (compute both sides), or move the control flow outside vmap. "
+        "To index with a per-example integer, index with the 0-d tensor itself: x[k], "
+        "not x[int(k)] or x[k.item()].")
 
 
 # Ops tagged dynamic_output_shape only because of boolean masks: indexing.py batches them
