@@ -28,7 +28,7 @@ for _op in (aten.alias.default, aten.zero_.default, aten.fill_.Scalar):
 # detach must cut only the wrappers' own graph (the level of the transform inside the vmap that
 # saved the output): the physical value stays an alias in the graph of a transform outside the
 # vmap (Note [autograd on physical values]), or ``grad(vmap(grad(exp)))`` loses every term
-# through a saved output.  A user's ``x.detach()`` cuts every level, as ``torch.func``'s and
+# through a saved output.  A user's ``x.detach()`` cuts every level, as the reference library's and
 # JAX's stop_gradient do.  The two are told apart by where the call comes from: a user's reaches
 # ``__torch_dispatch__`` from below the Autograd dispatch key, which excludes the autograd keys;
 # the engine calls the wrapper's detach directly, with none excluded.  AutogradOther is the key
