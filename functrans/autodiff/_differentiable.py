@@ -120,6 +120,16 @@ def _accumulate_grad_type():
 _AccumulateGrad = _accumulate_grad_type()
 
 
+_INTERNAL = "_functrans_internal_leaf"
+
+
+def internal_leaf(t: torch.Tensor) -> torch.Tensor:
+    """Mark a leaf that a transform creates for its own use (the dummy cotangents of the
+    double-vjp route), so that ``reaches_outside`` does not take it for a closed-over tensor."""
+    setattr(t, _INTERNAL, True)
+    return t
+
+
 def reaches_outside(roots: Sequence[Any], own: Sequence[torch.Tensor]) -> bool:
     """Whether the autograd graph of ``roots`` reaches a leaf that requires grad other than
     the transform's own aliases ``own``: a tensor the function closed over (a parameter, a
@@ -150,7 +160,8 @@ def reaches_outside(roots: Sequence[Any], own: Sequence[torch.Tensor]) -> bool:
                 continue
             seen.add(nxt)
             if type(nxt) is acc:
-                if id(nxt.variable) not in own_ids:
+                var = nxt.variable
+                if id(var) not in own_ids and not getattr(var, _INTERNAL, False):
                     return True
             else:
                 todo.append(nxt)

@@ -19,8 +19,8 @@ from .. import _levels
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError
 from ..vmap.api import ForwardModeAroundVmap
-from ._differentiable import (detach_tree, flatten_tensor_outputs, make_differentiable,
-                              outer_needs_graph, split_aux)
+from ._differentiable import (detach_tree, flatten_tensor_outputs, internal_leaf,
+                              make_differentiable, outer_needs_graph, split_aux)
 
 
 def _check_primals_tangents(primals, tangents, api: str):
@@ -146,7 +146,7 @@ def _double_vjp_setup(func, flat_p, spec, has_aux, api):
     # J^T u is linear in u, so its derivative is the same at any u; u = 1 rather than 0
     # because some backward formulas are smooth in their incoming gradient only away from 0
     # (logcumsumexp's takes log|grad|: at 0 its derivative is 0 * inf = NaN).
-    dummies = [torch.ones_like(o).requires_grad_() for o in live]
+    dummies = [internal_leaf(torch.ones_like(o).requires_grad_()) for o in live]
     if live:
         vjps = torch.autograd.grad(live, flat_in, dummies, create_graph=True, allow_unused=True)
     else:

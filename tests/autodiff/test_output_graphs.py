@@ -146,3 +146,14 @@ def test_vmap_grad_closed_over_param_through_saved_output():
     def outer(M):
         return lambda w: M.vmap(M.grad(lambda x: (torch.exp(x * w) * x).sum()))(X).sum()
     torch.testing.assert_close(ft.grad(outer(ft))(w0), tf.grad(outer(tf))(w0))
+
+
+def test_no_graph_leaks_through_the_double_vjp_route():
+    """jacfwd/jvp under an outer vjp take the double-vjp route, whose dummy cotangents are leaves
+    that require grad; the graph walk must not take them for closed-over tensors."""
+    x = torch.tensor([0.3, -0.4], dtype=D)
+    out, vjp_fn = ft.vjp(ft.jacfwd(torch.sin), x)
+    assert not out.requires_grad
+    (g,) = vjp_fn(torch.ones(2, 2, dtype=D))
+    assert not g.requires_grad
+    torch.testing.assert_close(g, tf.vjp(tf.jacfwd(torch.sin), x)[1](torch.ones(2, 2, dtype=D))[0])
