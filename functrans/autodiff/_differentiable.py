@@ -69,6 +69,17 @@ def requires_grad_anywhere(x: Any) -> bool:
     return False
 
 
+_INTERNAL = "_functrans_internal_leaf"
+
+
+def internal_leaf(t: torch.Tensor) -> torch.Tensor:
+    """Mark a leaf that a transform creates for its own use (its differentiable aliases, the
+    dummy cotangents of the double-vjp route), so that ``reaches_outside``, run by this or an
+    outer transform, does not take it for a closed-over tensor."""
+    setattr(t, _INTERNAL, True)
+    return t
+
+
 def differentiable_alias(x: torch.Tensor) -> torch.Tensor:
     """A fresh tensor to differentiate w.r.t.: a view when ``x`` is already part of a graph
     (requires grad) or may carry a forward-mode tangent, else a detached leaf (a view would let
@@ -76,9 +87,9 @@ def differentiable_alias(x: torch.Tensor) -> torch.Tensor:
     if requires_grad_anywhere(x) or _levels.forward_ad_state() in ("mine", "user"):
         alias = x.view_as(x)
         if not alias.requires_grad:
-            alias.requires_grad_()
+            internal_leaf(alias.requires_grad_())
         return alias
-    return x.detach().requires_grad_()
+    return internal_leaf(x.detach().requires_grad_())
 
 
 def make_differentiable(tree: Any, api: str, what: str) -> Tuple[Any, List[torch.Tensor]]:
@@ -118,16 +129,6 @@ def _accumulate_grad_type():
 
 
 _AccumulateGrad = _accumulate_grad_type()
-
-
-_INTERNAL = "_functrans_internal_leaf"
-
-
-def internal_leaf(t: torch.Tensor) -> torch.Tensor:
-    """Mark a leaf that a transform creates for its own use (the dummy cotangents of the
-    double-vjp route), so that ``reaches_outside`` does not take it for a closed-over tensor."""
-    setattr(t, _INTERNAL, True)
-    return t
 
 
 def reaches_outside(roots: Sequence[Any], own: Sequence[torch.Tensor]) -> bool:

@@ -19,8 +19,9 @@ from .. import _levels
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError
 from ..vmap.api import ForwardModeAroundVmap
-from ._differentiable import (detach_tree, flatten_tensor_outputs, internal_leaf,
-                              make_differentiable, outer_needs_graph, split_aux)
+from ._differentiable import (connected_outside, detach_tree, flatten_tensor_outputs,
+                              internal_leaf, make_differentiable, outer_needs_graph,
+                              reaches_outside, split_aux)
 
 
 def _check_primals_tangents(primals, tangents, api: str):
@@ -88,7 +89,9 @@ def jvp_impl(func, primals, tangents, has_aux, api):
             outer_needs_graph(list(flat_p) + list(flat_t)) or not _levels.claim_forward_ad():
         return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api)
     try:
-        return _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api)
+        result = _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api)
+        if result is not None:
+            return result
     except ForwardModeAroundVmap:
         pass
     except (RuntimeError, NotImplementedError) as e:
@@ -110,7 +113,12 @@ def _no_forward_formula(e: BaseException) -> bool:
 def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api):
     # jvp_impl takes this route only when nothing outside differentiates the results, so
     # they are detached: a graph made inside f (the jacrev in hessian = jacfwd(jacrev(f)))
-    # would otherwise stay alive on every result.
+    # would otherwise stay alive on every result.  The one thing not known before running f
+    # is whether it closed over a tensor that requires grad (a parameter, for a gradient
+    # penalty); then the results must stay differentiable, which reverse mode over forward-AD
+    # formulas cannot always give (see jvp_impl), so this returns None and jvp_impl runs f
+    # again on the double-vjp route.
+    grad_on = torch.is_grad_enabled()
     level = _levels.Level("jvp")
     with _levels.pushed(level), fwAD.dual_level():
         duals = [fwAD.make_dual(p, t) for p, t in zip(flat_p, flat_t)]
@@ -127,21 +135,30 @@ def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api):
         if aux is not None:
             aux = tree_unflatten([fwAD.unpack_dual(a).primal if isinstance(a, torch.Tensor)
                                   else a for a in tree_flatten(aux)[0]], tree_flatten(aux)[1])
+    if grad_on and reaches_outside(
+            primals_out + tangents_out + (tree_flatten(aux)[0] if has_aux else []), ()):
+        return None
     result = (detach_tree(tree_unflatten(primals_out, out_spec)),
               detach_tree(tree_unflatten(tangents_out, out_spec)))
     aux = detach_tree(aux) if aux is not None else None
     return result + (aux,) if has_aux else result
 
 
-def _double_vjp_setup(func, flat_p, spec, has_aux, api):
-    """Run ``func`` once with a graph; return what J^T u and its derivative need."""
-    keep_graph = outer_needs_graph(flat_p)
+def _double_vjp_setup(func, flat_p, spec, has_aux, api, needs_graph, grad_on):
+    """Run ``func`` once with a graph; return what J^T u and its derivative need.
+    ``needs_graph`` and ``grad_on`` are decided by the caller BEFORE it pushes its own grad
+    level (which ``outer_needs_graph`` would otherwise count as an outer transform); the
+    results also stay differentiable when the function's graph reaches a closed-over tensor
+    that requires grad, as the reverse transforms' do."""
     diff, flat_in = make_differentiable(tree_unflatten(flat_p, spec), api, "primals")
     out = func(*diff)
     aux = None
     if has_aux:
         out, aux = split_aux(out, api)
     flat_out, out_spec = flatten_tensor_outputs(out, api)
+    keep_graph = connected_outside(needs_graph, grad_on,
+                                   flat_out + (tree_flatten(aux)[0] if has_aux else []),
+                                   flat_in)
     live = [o for o in flat_out if o.requires_grad]
     # J^T u is linear in u, so its derivative is the same at any u; u = 1 rather than 0
     # because some backward formulas are smooth in their incoming gradient only away from 0
@@ -168,10 +185,12 @@ def _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph):
 
 
 def _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api):
+    needs_graph = outer_needs_graph(list(flat_p) + list(flat_t))
+    grad_on = torch.is_grad_enabled()
     level = _levels.Level("grad")
     with _levels.pushed(level), torch.enable_grad():
         out, aux, flat_out, out_spec, flat_in, vjps, dummies, keep_graph = \
-            _double_vjp_setup(func, flat_p, spec, has_aux, api)
+            _double_vjp_setup(func, flat_p, spec, has_aux, api, needs_graph, grad_on)
         tangents_out = _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph)
     primal_out = out if keep_graph else detach_tree(out)
     result = (primal_out, tree_unflatten(tangents_out, out_spec))
@@ -185,15 +204,18 @@ def linearize(func: Callable, *primals: Any):
     at ``primals``.  ``func`` runs once; each ``jvp_fn`` call is one backward pass."""
     api = "linearize"
     flat_p, spec = tree_flatten(tuple(primals))
+    needs_graph, grad_on = outer_needs_graph(flat_p), torch.is_grad_enabled()
     level = _levels.Level("grad")
     with _levels.pushed(level), torch.enable_grad():
         out, _, flat_out, out_spec, flat_in, vjps, dummies, keep_graph = \
-            _double_vjp_setup(func, flat_p, spec, False, api)
+            _double_vjp_setup(func, flat_p, spec, False, api, needs_graph, grad_on)
 
     def jvp_fn(*tangents):
         _, flat_t, _ = _check_primals_tangents(primals, tangents, "linearize's jvp_fn")
+        # differentiable when the primal side is, or a tangent is part of a graph
+        graph = keep_graph or outer_needs_graph(flat_t)
         with torch.enable_grad():
             return tree_unflatten(
-                _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph), out_spec)
+                _pushforward(flat_out, flat_in, vjps, dummies, flat_t, graph), out_spec)
 
     return (out if keep_graph else detach_tree(out)), jvp_fn

@@ -157,3 +157,25 @@ def test_no_graph_leaks_through_the_double_vjp_route():
     (g,) = vjp_fn(torch.ones(2, 2, dtype=D))
     assert not g.requires_grad
     torch.testing.assert_close(g, tf.vjp(tf.jacfwd(torch.sin), x)[1](torch.ones(2, 2, dtype=D))[0])
+
+
+@pytest.mark.parametrize("name", ["hessian", "jacfwd(jacrev)", "linearize", "jvp(vmap)"])
+def test_double_vjp_route_results_follow_the_reference(name):
+    """These run the double-vjp route (a vmap inside a jvp, or linearize).  It used to decide
+    "keep the graph" after pushing its own grad level, so the answer was always yes."""
+    x = torch.tensor([0.3, -0.4], dtype=D)
+    w = torch.tensor([1.5, 0.5], dtype=D, requires_grad=True)
+
+    def run(M, closed_over):
+        f = (lambda a: torch.sin(a * w)) if closed_over else torch.sin
+        if name == "hessian":
+            return M.hessian(lambda a: f(a).sum())(x)
+        if name == "jacfwd(jacrev)":
+            return M.jacfwd(M.jacrev(f))(x)
+        if name == "linearize":
+            return M.linearize(f, x)[1](torch.ones(2, dtype=D))
+        return M.jvp(M.vmap(f), (x[None],), (torch.ones(1, 2, dtype=D),))[1]
+    for closed_over in (False, True):
+        got, want = run(ft, closed_over), run(tf, closed_over)
+        torch.testing.assert_close(got, want)
+        assert got.requires_grad == want.requires_grad == closed_over, (closed_over, name)
