@@ -23,13 +23,16 @@ _tls = threading.local()
 
 
 class Level:
-    __slots__ = ("id", "kind", "alive")
-    # kinds: "vmap" (VmapLevel), "grad" (grad/vjp/jacrev), "jvp" (forward mode)
+    __slots__ = ("id", "kind", "alive", "order")
+    # kinds: "vmap" (VmapLevel), "grad" (grad/vjp/jacrev), "jvp" (forward mode).
+    # order: how many times the function's graph is differentiated at this level: 2 for the
+    # double-vjp route of a jvp (J^T u, then its derivative), else 1 (see autodiff/exact_norms).
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, order: int = 1):
         self.id = next(_ids)
         self.kind = kind
         self.alive = True
+        self.order = order
 
     def __repr__(self) -> str:
         state = "" if self.alive else ", dead"

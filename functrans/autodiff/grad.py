@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
-from .. import _levels
 from .._pytree import tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError
+from .exact_norms import autodiff_level
 from ._differentiable import (Argnums, connected_outside, detach_tree, gradients,
                               make_differentiable, normalize_argnums, outer_needs_graph,
                               replace_argnums, select_argnums, split_aux)
@@ -62,8 +62,7 @@ def grad_and_value_impl(func, argnums, has_aux, args, kwargs, api):
     chosen = select_argnums(args, argnums)
     keep_graph = outer_needs_graph(tree_flatten(chosen)[0])
     grad_on = torch.is_grad_enabled()
-    level = _levels.Level("grad")
-    with _levels.pushed(level), torch.enable_grad():
+    with autodiff_level("grad"), torch.enable_grad():
         diff, flat_inputs = make_differentiable(chosen, api_call, f"args[{argnums}]"
                                                 if isinstance(argnums, int) else "args")
         out = func(*replace_argnums(args, argnums, diff), **kwargs)

@@ -19,6 +19,7 @@ from .. import _levels
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError
 from ..vmap.api import ForwardModeAroundVmap
+from .exact_norms import autodiff_level
 from ._differentiable import (connected_outside, detach_tree, flatten_tensor_outputs,
                               internal_leaf, make_differentiable, outer_needs_graph,
                               reaches_outside, split_aux)
@@ -119,8 +120,7 @@ def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api):
     # formulas cannot always give (see jvp_impl), so this returns None and jvp_impl runs f
     # again on the double-vjp route.
     grad_on = torch.is_grad_enabled()
-    level = _levels.Level("jvp")
-    with _levels.pushed(level), fwAD.dual_level():
+    with autodiff_level("jvp"), fwAD.dual_level():
         duals = [fwAD.make_dual(p, t) for p, t in zip(flat_p, flat_t)]
         out = func(*tree_unflatten(duals, spec))
         aux = None
@@ -187,8 +187,7 @@ def _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph):
 def _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api):
     needs_graph = outer_needs_graph(list(flat_p) + list(flat_t))
     grad_on = torch.is_grad_enabled()
-    level = _levels.Level("grad")
-    with _levels.pushed(level), torch.enable_grad():
+    with autodiff_level("grad", order=2), torch.enable_grad():
         out, aux, flat_out, out_spec, flat_in, vjps, dummies, keep_graph = \
             _double_vjp_setup(func, flat_p, spec, has_aux, api, needs_graph, grad_on)
         tangents_out = _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph)
@@ -205,8 +204,7 @@ def linearize(func: Callable, *primals: Any):
     api = "linearize"
     flat_p, spec = tree_flatten(tuple(primals))
     needs_graph, grad_on = outer_needs_graph(flat_p), torch.is_grad_enabled()
-    level = _levels.Level("grad")
-    with _levels.pushed(level), torch.enable_grad():
+    with autodiff_level("grad", order=2), torch.enable_grad():
         out, _, flat_out, out_spec, flat_in, vjps, dummies, keep_graph = \
             _double_vjp_setup(func, flat_p, spec, False, api, needs_graph, grad_on)
 

@@ -10,9 +10,9 @@ from typing import Any, Callable, List
 
 import torch
 
-from .. import _levels
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError
+from .exact_norms import autodiff_level
 from ._differentiable import (connected_outside, detach_tree, flatten_tensor_outputs,
                               gradients, make_differentiable, outer_needs_graph,
                               split_aux)
@@ -33,8 +33,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False):
 def vjp_impl(func: Callable, primals: tuple, has_aux: bool, api: str):
     keep_graph = outer_needs_graph(tree_flatten(primals)[0])
     grad_on = torch.is_grad_enabled()
-    level = _levels.Level("grad")
-    with _levels.pushed(level), torch.enable_grad():
+    with autodiff_level("grad"), torch.enable_grad():
         diff_primals, flat_inputs = make_differentiable(primals, api, "primals")
         out = func(*diff_primals)
         aux = None

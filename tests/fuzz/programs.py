@@ -728,10 +728,36 @@ class Program:
         out.append(f"    return ({', '.join(self.outputs)},)")
         return "\n".join(out)
 
-    def function(self) -> Callable:
-        env = {"torch": torch, "F": F, "_randn": _randn}
+    def function(self, reference: bool = False) -> Callable:
+        """The program as a function; ``reference=True`` (the oracle's) runs layer_norm as
+        primitive ops: PyTorch's fused kernel treats its mean and rstd as constants, so plain
+        autograd differentiates it wrongly three or more times (see _ReferenceF)."""
+        env = {"torch": torch, "F": _ReferenceF if reference else F, "_randn": _randn}
         exec(self.source(), env)
         return env["f"]
+
+
+class _ReferenceF:
+    """``torch.nn.functional`` with a layer_norm written as primitive ops, for the oracle.
+    The fused native_layer_norm returns mean and rstd as outputs autograd treats as constants,
+    and its backward formulas take them as inputs; derivatives of order three and more then
+    miss every term through them (third-order reverse of a 4-vector's layer_norm is off by
+    2.1 against finite differences)."""
+
+    def __getattr__(self, name):
+        return getattr(F, name)
+
+    @staticmethod
+    def layer_norm(x, shape, weight=None, bias=None, eps=1e-5):
+        dims = tuple(range(-len(shape), 0))
+        centred = x - x.mean(dims, keepdim=True)
+        out = centred / torch.sqrt((centred ** 2).mean(dims, keepdim=True) + eps)
+        if weight is not None:
+            out = out * weight
+        return out if bias is None else out + bias
+
+
+_ReferenceF = _ReferenceF()
 
 
 def gen_program(c: Chooser, *, max_ops=5, max_inputs=2, families=None,
@@ -1048,7 +1074,7 @@ class Case:
         return f
 
     def oracle(self) -> Callable:
-        f = self.program.function()
+        f = self.program.function(reference=True)
         for layer in self.layers:
             f = layer.oracle(f)
         return f
@@ -1168,7 +1194,7 @@ def known_bug(case: Case) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------
 # Running one case
 
-STATS = {"cases": 0, "oracle_nonfinite": 0, "refused": collections.Counter(), "known_bug_skipped": collections.Counter(), "fallback_ops": collections.Counter(),
+STATS = {"cases": 0, "oracle_nonfinite": 0, "ill_conditioned": 0, "refused": collections.Counter(), "known_bug_skipped": collections.Counter(), "fallback_ops": collections.Counter(),
          "layers": collections.Counter(), "families": collections.Counter()}
 
 
@@ -1239,10 +1265,27 @@ def run_case(case: Case, *, rtol=1e-6, atol=1e-6, skip_known=True) -> str:
         STATS["fallback_ops"][op.op] += op.calls
     assert _levels.stack() == [], f"levels leaked: {_levels.stack()}\n{case.report()}"
     problem = _compare(actual, expected, rtol, atol)
+    if problem and _ill_conditioned(case, expected, rtol, atol):
+        STATS["ill_conditioned"] += 1
+        return "ill-conditioned"
     if problem:
         raise Mismatch(f"{problem}\n{case.report()}\nfunctrans:\n{_fmt(list(actual))}\n"
                        f"oracle:\n{_fmt(expected)}\ntorch.func:\n{_tf_result(case, args, expected)}")
     return "ok"
+
+
+def _ill_conditioned(case: Case, expected, rtol, atol) -> bool:
+    """Whether the oracle itself moves by more than the tolerance when every input moves by
+    1e-9 (relative).  Then float64 rounding, amplified the same way, separates correct
+    implementations that order a formula differently: layer_norm of a nearly constant or
+    rank-1 input, whose third derivatives scale like eps**-1.5, made functrans, torch.func and
+    plain autograd disagree with each other by O(1).  A comparison there says nothing."""
+    args = [a * (1 + 1e-9 * _randn(a.shape, 7919)) for a in case.inputs()]
+    try:
+        moved = [t.detach() for t in case.oracle()(*args)]
+    except Exception:
+        return False
+    return _compare(tuple(moved), expected, rtol, atol) is not None
 
 
 def _compare(actual, expected, rtol, atol) -> Optional[str]:
@@ -1272,6 +1315,8 @@ def summary() -> str:
     if STATS["refused"]:
         lines.append(f"deliberate refusals ({sum(STATS['refused'].values())}):")
         lines += [f"  {n} x {msg}" for msg, n in STATS["refused"].most_common()]
+    lines.append(f"not compared: {STATS['oracle_nonfinite']} with a NaN/inf oracle, "
+                 f"{STATS['ill_conditioned']} ill-conditioned (see _ill_conditioned)")
     if STATS["known_bug_skipped"]:
         lines.append(f"skipped as known bugs: {dict(STATS['known_bug_skipped'])}")
     if STATS["fallback_ops"]:
