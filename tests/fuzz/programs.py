@@ -275,8 +275,10 @@ SCALAR_BINARY = ["({a} + {s})", "({s} - {a})", "({a} * {s})", "({a} / {s})",
                  "torch.sub({a}, {s})", "torch.mul({a}, {s})", "torch.rsub({a}, {s})"]
 SCALARS = ["2.0", "0.5", "-1.5", "3", "-2", "0.25"]
 
+# atan2's second operand is shifted away from 0: at atan2(0, 0) (v and v, both zeroed by triu)
+# the derivative is 0/0, and the formula orders give NaN or a number.
 BINARY = ["({a} + {b})", "({a} * {b})", "({a} - {b})", "({a} / ({b} * {b} + 1.0))",
-          "torch.maximum({a}, {b})", "torch.minimum({a}, {b})", "torch.atan2({a}, {b})",
+          "torch.maximum({a}, {b})", "torch.minimum({a}, {b})", "torch.atan2({a}, {b} + 2.0)",
           "torch.where({a} > {b}, {a}, {b})", "torch.add({a}, {b}, alpha=0.5)",
           "torch.lerp({a}, {b}, 0.25)", "torch.pow({a}.abs() + 0.5, {b})",
           "torch.addcmul({a}, {a}, {b}, value=0.5)", "torch.hypot({a}, {b} + 2.0)",
