@@ -1177,6 +1177,9 @@ def _forward_layers(case: Case) -> bool:
 KNOWN_BUGS: List[Tuple[str, Callable[[Case], bool]]] = [
     ("test_logcumsumexp_third_order_through_double_vjp_is_nan",
      lambda case: "logcumsumexp" in case.program.source() and _forward_layers(case)),
+    ("test_jvp_of_jacfwd_of_grad_of_strided_conv_raises",
+     lambda case: "F.conv" in case.program.source() and "stride=1" not in case.program.source()
+     and _forward_layers(case) and len(case.layers) >= 3),
 ]
 
 
