@@ -40,6 +40,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import functrans
 from functrans.errors import UnsupportedUnderVmap
@@ -172,6 +173,9 @@ def skip_reason(op) -> Optional[str]:
 class FlatSample:
     tensors: List[torch.Tensor]
     call: Callable  # call(*tensors) runs the op on the sample with these tensors
+    # "same" for a sample that draws random numbers but whose values do not depend on the
+    # seed (see _is_deterministic): vmap needs a randomness mode to run it at all.
+    randomness: str = "error"
 
 
 def flatten_sample(op, sample) -> Tuple[Optional[FlatSample], Optional[str]]:
@@ -325,18 +329,19 @@ def _recording_decompositions():
         decompositions.run_decomposition = original
 
 
-def _functrans_fn(call, in_dims, nested):
-    inner = functrans.vmap(call, in_dims=in_dims)
-    return functrans.vmap(inner, in_dims=in_dims) if nested else inner
+def _functrans_fn(call, in_dims, nested, randomness="error"):
+    inner = functrans.vmap(call, in_dims=in_dims, randomness=randomness)
+    return functrans.vmap(inner, in_dims=in_dims, randomness=randomness) if nested else inner
 
 
-def _torch_fn(call, in_dims, nested):
-    inner = torch.vmap(call, in_dims=in_dims)
-    return torch.vmap(inner, in_dims=in_dims) if nested else inner
+def _torch_fn(call, in_dims, nested, randomness="error"):
+    inner = torch.vmap(call, in_dims=in_dims, randomness=randomness)
+    return torch.vmap(inner, in_dims=in_dims, randomness=randomness) if nested else inner
 
 
-def run_functrans(call, in_dims, nested, batched, expected) -> Tuple[str, str, Tuple[str, ...]]:
-    fn = _functrans_fn(call, in_dims, nested)
+def run_functrans(call, in_dims, nested, batched, expected,
+                  randomness="error") -> Tuple[str, str, Tuple[str, ...]]:
+    fn = _functrans_fn(call, in_dims, nested, randomness)
     try:
         with _recording_decompositions() as decomposed, functrans.config.strict_fallback():
             out = fn(*batched)
@@ -356,8 +361,9 @@ def run_functrans(call, in_dims, nested, batched, expected) -> Tuple[str, str, T
     return ("wrong", diff, via) if diff else (how, "", via)
 
 
-def run_torch(call, in_dims, nested, batched, expected) -> Tuple[str, str, Tuple[str, ...]]:
-    fn = _torch_fn(call, in_dims, nested)
+def run_torch(call, in_dims, nested, batched, expected,
+              randomness="error") -> Tuple[str, str, Tuple[str, ...]]:
+    fn = _torch_fn(call, in_dims, nested, randomness)
     torch._C._functorch._set_vmap_fallback_warning_enabled(True)
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -403,7 +409,8 @@ def run_check(op, k, flat: FlatSample, dims: tuple, nested: bool,
     results = []
     impls = [("functrans", run_functrans)] + ([("torch.vmap", run_torch)] if with_torch else [])
     for impl, runner in impls:
-        outcome, detail, via = runner(flat.call, dims, nested, batched, expected)
+        outcome, detail, via = runner(flat.call, dims, nested, batched, expected,
+                                      flat.randomness)
         if outcome == "wrong" and detail.startswith(NONFINITE):
             outcome = "oracle_invalid"
         results.append(Check(**base, impl=impl, outcome=outcome, detail=detail, via=via))
@@ -436,12 +443,41 @@ class OpResult:
         return next((c for c in self.checks if c.impl == impl and c.outcome == out), None)
 
 
+class _DrawsRandom(TorchDispatchMode):
+    """Records whether any random op ran (ops tagged nondeterministic_seeded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drew = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.drew = True
+        return func(*args, **(kwargs or {}))
+
+
 def _is_deterministic(flat: FlatSample) -> bool:
+    """Whether the sample's values are the same under two seeds.  A deterministic sample that
+    draws random numbers all the same (OpInfo's ``wrapper_set_seed`` re-seeds inside the call,
+    so every example of the loop oracle sees the same draw) runs with randomness='same'."""
     outs = []
     for seed in (0, 1):
         torch.manual_seed(seed)
-        outs.append(flat.call(*flat.tensors))
-    return compare(outs[0], outs[1]) is None
+        with _DrawsRandom() as mode:
+            outs.append(flat.call(*flat.tensors))
+    same = compare(outs[0], outs[1]) is None
+    if same and mode.drew:
+        flat.randomness = "same"
+    return same
+
+
+def _is_deterministic_or_fails(flat: FlatSample) -> bool:
+    """False only for a sample that runs and gives different values under two seeds (a sample
+    that fails on its own is kept: the caller reports it)."""
+    try:
+        return _is_deterministic(flat)
+    except Exception:
+        return True
 
 
 def sweep_op(op, *, full: bool, with_torch: bool = True) -> OpResult:
@@ -468,6 +504,11 @@ def _sweep_op(op, full: bool, with_torch: bool) -> OpResult:
             if flat is None:
                 reasons[why] += 1
                 continue
+            if not _is_deterministic_or_fails(flat):
+                # This sample draws random values (dropout_p > 0, fractional pooling's random
+                # samples, randomized low-rank SVD): a loop oracle cannot be compared with it.
+                reasons["non-deterministic output"] += 1
+                continue
             flats.append(flat)
             if len(flats) == n_samples:
                 break
@@ -488,9 +529,6 @@ def _sweep_op(op, full: bool, with_torch: bool) -> OpResult:
         return res
     if any(t.layout != torch.strided for t in leaves):
         res.skipped = "sparse output"
-        return res
-    if not _is_deterministic(flats[0]):
-        res.skipped = "non-deterministic output"
         return res
     for k, flat in enumerate(flats):
         choices = choices_for(len(flat.tensors), cap, salt=k)

@@ -26,7 +26,8 @@ import torch.func as tf
 import torch.utils._pytree as pytree
 
 import functrans as ft
-from tests.opinfo_sweep import FAST_OPS, all_ops, compare, flatten_sample, op_id, skip_reason
+from tests.opinfo_sweep import (FAST_OPS, _is_deterministic_or_fails, all_ops, compare,
+                                flatten_sample, op_id, skip_reason)
 from tests.oracles import perturb_like
 
 CHECKS = ("vjp", "jvp", "vmap_vjp", "vmap_jvp")
@@ -66,8 +67,9 @@ def _batch(x, k):
     return torch.stack([perturb_like(x, 100 * k + i) for i in range(B)])
 
 
-def _checks_for(g, diff) -> Dict[str, tuple]:
-    """check -> (run(impl), reference())"""
+def _checks_for(g, diff, randomness: str = "error") -> Dict[str, tuple]:
+    """check -> (run(impl), reference()); ``randomness`` for samples that draw random numbers
+    without their values depending on the seed (see tests.opinfo_sweep._is_deterministic)."""
     outs0 = g(*diff)
     cts = tuple(perturb_like(o, 7) for o in outs0)
     tangents = tuple(perturb_like(d, 11) for d in diff)
@@ -85,9 +87,10 @@ def _checks_for(g, diff) -> Dict[str, tuple]:
     return {
         "vjp": (lambda m: m.vjp(g, *diff)[1](cts), lambda: _ref_vjp(g, diff, cts)),
         "jvp": (lambda m: m.jvp(g, diff, tangents), lambda: _ref_jvp(g, diff, tangents)),
-        "vmap_vjp": (lambda m: m.vmap(m.vjp(g, *diff)[1])(CT),
+        "vmap_vjp": (lambda m: m.vmap(m.vjp(g, *diff)[1], randomness=randomness)(CT),
                      lambda: loop(lambda *c: _ref_vjp(g, diff, c), *CT)),
-        "vmap_jvp": (lambda m: m.vmap(lambda *a: m.jvp(g, a[:n], a[n:]))(*X, *T),
+        "vmap_jvp": (lambda m: m.vmap(lambda *a: m.jvp(g, a[:n], a[n:]),
+                                      randomness=randomness)(*X, *T),
                      lambda: loop(lambda *a: _ref_jvp(g, a[:n], a[n:]), *X, *T)),
     }
 
@@ -132,8 +135,8 @@ def sweep_op(op, *, full: bool, impls: Sequence[str] = tuple(IMPLS)) -> Dict[str
         return {"skipped": f"samples: {e}"}
     for sample in samples:
         flat, why = flatten_sample(op, sample)
-        if flat is None:
-            continue
+        if flat is None or not _is_deterministic_or_fails(flat):
+            continue  # no usable tensors, or a sample that draws random values (dropout_p > 0)
         # Compare in float64: derivatives amplify float32 rounding (a batching bug does not
         # depend on the dtype; the float32 vmap sweep covers float32 kernels).
         base = [t.double() if t.dtype == torch.float32 else t for t in flat.tensors]
@@ -149,7 +152,7 @@ def sweep_op(op, *, full: bool, impls: Sequence[str] = tuple(IMPLS)) -> Dict[str
         try:
             if not g(*diff):
                 continue
-            checks = _checks_for(g, diff)
+            checks = _checks_for(g, diff, flat.randomness)
         except Exception:
             continue
         for name, (run, ref) in checks.items():
@@ -224,6 +227,17 @@ def report(results: Dict[str, Dict[str, object]]) -> str:
                                if impl == "functrans" for o in outs if o.startswith("error"))
     lines += ["", "functrans errors (most common):"] + [f"  {n:>4}  {m}" for m, n in
                                                         errs.most_common(15)]
+    lines += ["", "functrans ops not passing by rule, per check (worst outcome):"]
+    for check in CHECKS:
+        by = collections.defaultdict(list)
+        for name, res in results.items():
+            if "skipped" not in res and ("functrans", check) in res:
+                w = worst(res[("functrans", check)])
+                if w in ("fallback", "error", "wrong"):
+                    by[w].append(name)
+        for w in ("wrong", "error", "fallback"):
+            if by[w]:
+                lines.append(f"  {check} {w} ({len(by[w])}): " + ", ".join(sorted(by[w])))
     return "\n".join(lines)
 
 
