@@ -24,12 +24,16 @@ example, starting at offset 0 (what autograd's ``new_empty_strided`` + ``as_stri
 of an in-place slice write produces): every example's window is the same window of its own
 block, and the result is a view.  (2) The batch's memory holds nothing but its examples (offset
 0, dense, a storage of exactly its size; for nested vmap, the innermost physical tensor's), but
-interleaved (``in_dims=-1``, a transpose, a lower level's wrapper): each example is copied into
-a fresh block laid out in its own memory order (what its ``clone()`` would be) and windowed
-there; the result is a copy, recorded in ``copied_views`` so that a write through it raises.
-Any other layout (a slice sharing storage with elements outside the batch) is refused with an
-explanation (never looped: a loop would read the wrong example's memory).
-``as_strided_scatter`` writes into a fresh clone in eager, so it always takes route (2).
+the examples do not own equal blocks of it (nested vmap: the innermost physical tensor holds
+every level's batch), and each example's strides as the function sees them are those of a fresh
+tensor: each example is copied into a fresh block and windowed there; the result is a copy,
+recorded in ``copied_views`` so that a write through it raises.  An interleaved batch
+(``in_dims=-1``) is refused: the function sees strides that interleave the batch, and strides
+computed from them (stft, autograd) would address other elements than strides meant for a
+fresh example (the OpInfo samples); no rule can tell which was meant.  Any other layout (a
+slice sharing storage with elements outside the batch) is refused too (never looped: a loop
+would read the wrong example's memory).  ``as_strided_scatter`` writes into a fresh clone in
+eager, so it takes route (2) whenever the example's strides are a fresh tensor's.
 
 ``view`` aliases whenever one example's view exists, and copies otherwise: see Note [view after
 moving the bdim] in ``vmap/copied_views.py``, which also guards in-place writes into such copies.
@@ -472,6 +476,18 @@ def _dense_strides(shape, strides):
     return tuple(out)
 
 
+def _fresh_layout(x, b) -> bool:
+    """Whether one example's strides, as the wrapper reports them to the function, are those of
+    a fresh tensor of its own (dense in its own memory order).  Only then do strides computed
+    from ``x.stride()`` (stft, autograd's as_strided views) and strides meant for a fresh
+    example (a user's literal ones) address the same elements: for an interleaved batch
+    (``in_dims=-1``) they would not, and guessing would be a silent wrong answer."""
+    shape, strides = list(x.shape), list(x.stride())
+    del shape[b], strides[b]
+    return all(n <= 1 or s == d for n, s, d in zip(shape, strides,
+                                                   _dense_strides(shape, strides)))
+
+
 def _fresh_examples(x, b):
     """``(P, numel)``: the batch with each example copied into a fresh block of its own (batch
     first), laid out in the example's memory order, i.e. what eager's ``example.clone()`` is."""
@@ -514,7 +530,7 @@ def as_strided_rule(info, in_dims, x, size, stride, storage_offset=None):
         window_end = offset + sum((n - 1) * st for n, st in zip(size, stride) if n > 0)
         if owns_storage and example_extent <= block and offset >= 0 and window_end < block:
             return x.as_strided((x.shape[b], *size), (block, *stride), offset), 0
-    if not _holds_only_its_examples(x):
+    if not (_holds_only_its_examples(x) and _fresh_layout(x, b)):
         raise Decline()
     P, n = _fresh_examples(x, b)
     _check_window(size, stride, offset, n)
@@ -525,12 +541,22 @@ def as_strided_rule(info, in_dims, x, size, stride, storage_offset=None):
 
 @register_batch_rule(aten.as_strided_scatter.default)
 def as_strided_scatter_rule(info, in_dims, x, src, size, stride, storage_offset=None):
-    """Eager writes ``src`` into ``as_strided`` of a fresh clone of ``x``: here, of a fresh
-    block per example (see ``_fresh_examples``)."""
+    """Eager writes ``src`` into ``as_strided`` of a fresh clone of ``x``: here, into a fresh
+    block per example (see ``_fresh_examples``), out of place (an index_copy into each block's
+    storage order), so that a ``src`` batched only at a lower level needs no in-place write."""
     B = info.batch_size
     offset = 0 if storage_offset is None else storage_offset
-    X = x if in_dims[0] is not None else x.unsqueeze(0).expand(B, *x.shape)
-    P, n = _fresh_examples(X, in_dims[0] if in_dims[0] is not None else 0)
+    b = in_dims[0]
+    X = x if b is not None else x.unsqueeze(0).expand(B, *x.shape)
+    b = 0 if b is None else b
+    if not _fresh_layout(X, b):
+        raise Decline()
+    P, n = _fresh_examples(X, b)
     _check_window(size, stride, offset, n)
-    P.as_strided((B, *size), (n, *stride), offset).copy_(ensure_bdim_front(src, in_dims[1], B))
-    return P, 0
+    where = torch.arange(n, device=P.device).as_strided(size, stride, offset).reshape(-1)
+    if where.numel() != where.unique().numel():
+        raise Decline()   # overlapping windows: eager's result depends on the write order
+    flat = P.as_strided((B, n), (n, 1), 0)
+    S = ensure_bdim_front(src, in_dims[1], B).reshape(B, -1).to(P.dtype)
+    out = flat.index_copy(1, where, S)
+    return out.as_strided(P.shape, P.stride(), 0), 0
