@@ -100,10 +100,13 @@ def loop_fallback(op, level, in_dims, *vals, _declined: bool = False, **kwargs):
             f"vmap: {op} addresses memory by absolute storage offsets and strides, which has a "
             "per-example meaning only when each example stands for a fresh tensor: it owns an "
             "equal block of its storage (a fresh tensor with the batch dim first), or the "
-            "batch's memory holds nothing but its examples. Here the tensor shares its storage "
-            "with elements outside the batch (a slice or an offset view of a larger tensor). "
-            "Express the view with view/reshape/select/slice/unfold/diagonal instead, or call "
-            ".clone() on the tensor first.")
+            "batch's memory holds nothing but its examples, each laid out as a fresh tensor. "
+            "Here the tensor shares its storage with elements outside the batch (a slice or an "
+            "offset view of a larger tensor), or its batch dim is interleaved with the "
+            "example's dims (in_dims other than 0), where strides taken from x.stride() and "
+            "strides meant for a fresh example would address different elements. Express the "
+            "view with view/reshape/select/slice/unfold/diagonal instead, or pass the tensor "
+            "with in_dims=0 (x.movedim(d, 0).contiguous()) and call .clone() on it first.")
     if config.is_strict():
         raise _fallback_error(op, _declined)
     from .randomness import draws_random
