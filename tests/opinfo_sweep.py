@@ -56,23 +56,21 @@ FUNCTRANS_OUTCOMES = ("rule", "decomposition", "fallback", "error", "wrong")
 TORCH_OUTCOMES = ("rule", "fallback", "error", "wrong")
 
 # Understood errors: {op id: reason}.  A "wrong" entry needs the lead's OK.
-_DATA_DEPENDENT = ("functrans refuses ops whose output shape depends on the data (nonzero, "
-                   "masked_select, index with a bool mask, _ctc_loss, linalg_lstsq) even when "
-                   "every example gives the same shape; torch.vmap loops and stacks then")
-_AS_STRIDED = ("as_strided addresses storage by absolute offsets: functrans runs it only when "
-               "each example owns an equal block of the storage (batch dim first, fresh "
-               "memory) and refuses other layouts (torch.vmap runs them, and gets them wrong)")
+_AS_STRIDED = ("as_strided addresses storage by absolute offsets: functrans runs it when each "
+               "example owns an equal block of the storage, or the batch's memory holds only its "
+               "examples each laid out as a fresh tensor (nested vmap with in_dims=0 works); an "
+               "interleaved batch (in_dims=-1) is refused, since strides computed from "
+               "x.stride() (stft, autograd) and strides meant for a fresh example (these "
+               "samples) would address different elements; torch.vmap runs it and gets it wrong")
 XFAILS: Dict[str, str] = {
-    "masked_select": _DATA_DEPENDENT,
-    "combinations": _DATA_DEPENDENT,
-    "argwhere": _DATA_DEPENDENT,
-    "nn.functional.ctc_loss": _DATA_DEPENDENT,
-    "linalg.lstsq": _DATA_DEPENDENT,
-    "linalg.lstsq.grad_oriented": _DATA_DEPENDENT,
-    "stft": _AS_STRIDED + "; stft lowers to as_strided and needs a rule of its own",
+    "stft": _AS_STRIDED + "; stft frames its (padded) input with as_strided on the strides the "
+                          "function sees, refused for in_dims=-1 and under vmap∘vmap; an "
+                          "unfold-based framing would need a rule for the CompositeImplicit "
+                          "aten.stft, which cannot reach __torch_dispatch__",
     "as_strided": _AS_STRIDED,
     "as_strided_copy": _AS_STRIDED,
     "as_strided.partial_views": _AS_STRIDED,
+    "as_strided_scatter": _AS_STRIDED,
 }
 
 # Ops skipped whole, with the reason (counted in the report, never silently).

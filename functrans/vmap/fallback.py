@@ -3,7 +3,9 @@
 For an op with no rule and no usable decomposition, slice every batched argument at each batch
 index, call the op on the slices, and stack the results.  In-place and ``out=`` ops write into
 slices (views) of their batched target, so the target is updated in place.  Non-tensor outputs
-must agree across the batch.  The fallback warns once per op with a ``PerformanceWarning`` that
+must agree across the batch, and so must the shapes of tensor outputs (ops whose output shape
+depends on the data, ``nonzero``/``unique``..., run here and stack when every example agrees; when
+they differ, ``rules.data_dependent.ragged_results_error`` says so).  The fallback warns once per op with a ``PerformanceWarning`` that
 names the rules file where a rule belongs, and ``functrans.config.strict_fallback()`` turns it
 into an error.  ``record_fallbacks()`` observers see every call with its time.
 """
@@ -32,12 +34,16 @@ def _slice(a, d, i):
     return type(a)(_slice(x, dd, i) for x, dd in zip(a, d))
 
 
-def _stack(outs: List[Any], op):
+def _stack(outs: List[Any], op, output: int = 0):
     first = outs[0]
     if isinstance(first, torch.Tensor):
+        if any(o.shape != first.shape for o in outs[1:]):
+            # the op's output shape depends on the data (nonzero, unique...): say so
+            from .rules.data_dependent import ragged_results_error
+            raise ragged_results_error(op, [o.shape for o in outs], output)
         return torch.stack(outs), 0
     if isinstance(first, (tuple, list)):
-        parts = [_stack([o[k] for o in outs], op) for k in range(len(first))]
+        parts = [_stack([o[k] for o in outs], op, k) for k in range(len(first))]
         return type(first)(p[0] for p in parts), type(first)(p[1] for p in parts)
     if first is None or all(o == first for o in outs[1:]):
         return first, None
@@ -48,11 +54,15 @@ def _stack(outs: List[Any], op):
 
 
 def _fallback_error(op, declined: bool = False) -> UnsupportedUnderVmap:
+    from .known_fallbacks import reason
     what = f"the batching rule for {op} declined these arguments" if declined else \
         f"there is no batching rule for {op}"
+    why = reason(op)
+    where = f"It has no batching rule on purpose: {why}." if why else \
+        f"A rule for it belongs in {rules_file(op)}."
     return UnsupportedUnderVmap(
         f"vmap: {what}, and the loop fallback is disabled "
-        f"(functrans.config.strict_fallback). A rule for it belongs in {rules_file(op)}.")
+        f"(functrans.config.strict_fallback). {where}")
 
 
 def _user_stacklevel() -> int:
@@ -88,10 +98,15 @@ def loop_fallback(op, level, in_dims, *vals, _declined: bool = False, **kwargs):
     if op.overloadpacket.__name__ in STORAGE_DEPENDENT:
         raise UnsupportedUnderVmap(
             f"vmap: {op} addresses memory by absolute storage offsets and strides, which has a "
-            "per-example meaning only when each example owns an equal block of its storage "
-            "(a fresh tensor with the batch dim first), and that is not the case here. Express "
-            "the view with view/reshape/select/slice/unfold/diagonal instead, or call "
-            ".contiguous() on a tensor with in_dims=0 first.")
+            "per-example meaning only when each example stands for a fresh tensor: it owns an "
+            "equal block of its storage (a fresh tensor with the batch dim first), or the "
+            "batch's memory holds nothing but its examples, each laid out as a fresh tensor. "
+            "Here the tensor shares its storage with elements outside the batch (a slice or an "
+            "offset view of a larger tensor), or its batch dim is interleaved with the "
+            "example's dims (in_dims other than 0), where strides taken from x.stride() and "
+            "strides meant for a fresh example would address different elements. Express the "
+            "view with view/reshape/select/slice/unfold/diagonal instead, or pass the tensor "
+            "with in_dims=0 (x.movedim(d, 0).contiguous()) and call .clone() on it first.")
     if config.is_strict():
         raise _fallback_error(op, _declined)
     from .randomness import draws_random

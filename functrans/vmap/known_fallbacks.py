@@ -27,7 +27,21 @@ _GPU_ONLY = ("CUDA/ROCm-only kernel; this machine has no GPU to test a rule agai
 _LCE = ("the chunked path of F.linear_cross_entropy (a private torch_nn op, new in torch 2.13) "
         "has no rule yet; its unchunked path is batched by rules")
 
+_DYNAMIC = ("its output shape depends on the values of its input, so no vectorised rule can "
+            "exist; each example runs on its own, and the results are stacked when their "
+            "shapes agree (a clear error says so when they differ). For a batched form "
+            "without the loop, use a fixed-size variant (nonzero_static(size=...), "
+            "bincount(minlength=...)) or torch.where with a mask")
+
 NO_RULE: Dict[str, str] = {
+    "aten.nonzero.default": _DYNAMIC,
+    "aten.bincount.default": _DYNAMIC,
+    "aten.repeat_interleave.Tensor": _DYNAMIC,
+    "aten._unique.default": _DYNAMIC,
+    "aten._unique2.default": _DYNAMIC,
+    "aten.unique_dim.default": _DYNAMIC,
+    "aten.unique_consecutive.default": _DYNAMIC,
+    "aten.unique_dim_consecutive.default": _DYNAMIC,
     "aten.adaptive_max_pool3d_backward.default": _SEGFAULT,
     "aten.resize_.default": _RESIZE,
     "aten.resize.default": _RESIZE,

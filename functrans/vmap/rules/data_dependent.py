@@ -1,19 +1,31 @@
-"""Data-dependent ops under vmap raise errors that say what happened and what to do.
+"""Data-dependent ops under vmap: what batches, and the errors that say what to do.
 
 * ``.item()`` / ``bool()`` / ``int()`` / Python control flow on a batched value all reach
-  ``aten._local_scalar_dense``: one Python value cannot stand for a whole batch;
-* ops whose output shape depends on the data (``nonzero``, ``masked_select``, ``unique``...,
-  every op tagged ``dynamic_output_shape``) cannot be stacked into one tensor;
-* ops tagged ``data_dependent_output`` that return Python values (``equal``...).
+  ``aten._local_scalar_dense``: one Python value cannot stand for a whole batch (an error);
+* ops tagged ``data_dependent_output`` that return Python values (``equal``...): an error;
+* ops whose output shape depends on the data (``nonzero``, ``bincount``, ``unique*``,
+  ``repeat_interleave`` with tensor repeats, ``masked_select`` with a batched mask, and the ops
+  tagged ``dynamic_output_shape`` whose shape is static in practice: ``linalg_lstsq``,
+  ``_ctc_loss``) have no vectorised rule.  They run per example on the loop fallback, which
+  checks that every example's result has the same shape and stacks them; when the shapes
+  differ it raises ``ragged_results_error`` (the op, the shapes, and the fix: pad/mask,
+  ``size=``, or ``torch.nested`` outside vmap).  Being loops, they warn (a
+  ``PerformanceWarning`` quoting ``known_fallbacks``' reason) and ``strict_fallback()``
+  refuses them, like any loop: strict mode promises no per-example loop ran.
+  The shape is never guessed from the op's tag or from the ops inside a decomposition.
 
-``nonzero_static`` is the exception that batches: its output shape is fixed by ``size``.
+Rules here: ``nonzero_static`` (its output shape is fixed by ``size``) and ``masked_select``
+with an unbatched mask (``torch.combinations`` reaches it this way): the number of selected
+elements is the same for every example, so it is one boolean index over the batch.
 """
 from __future__ import annotations
 
 import torch
 
 from ...errors import UnsupportedUnderVmap
-from ..registry import register_batch_rule, register_tag_rule
+from ..batched_tensor import BatchedTensor
+from ..helpers import move_bdim_to_front
+from ..registry import Decline, register_batch_rule, register_tag_rule
 
 aten = torch.ops.aten
 
@@ -30,13 +42,6 @@ def local_scalar_dense_rule(info, in_dims, x):
         "not x[int(k)] or x[k.item()].")
 
 
-# Ops tagged dynamic_output_shape only because of boolean masks: indexing.py batches them
-# (integer indices, unbatched masks, fixed-shape mask writes) and raises dynamic_shape_error
-# itself for a batched mask, so the tag rule leaves them to indexing.py's and derived rules.
-_INDEXING_OWNS = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl",
-                  "_index_put_impl_", "_unsafe_index_put"}
-
-
 def dynamic_shape_error(op) -> UnsupportedUnderVmap:
     return UnsupportedUnderVmap(
         f"vmap: {op} returns a tensor whose shape depends on the values of its input, so "
@@ -47,14 +52,38 @@ def dynamic_shape_error(op) -> UnsupportedUnderVmap:
         "vmap).")
 
 
-def _dynamic_shape_rule_for(op):
-    if op.overloadpacket.__name__ in _INDEXING_OWNS:
-        return None
+# How to get a fixed shape, per op (the overload packet's name).
+_FIXES = {
+    "nonzero": "torch.nonzero_static(x, size=n, fill_value=-1) pads every example to n rows "
+               "and batches without a loop",
+    "argwhere": "torch.nonzero_static(x, size=n, fill_value=-1) pads every example to n rows",
+    "masked_select": "torch.where(mask, x, 0) (or x * mask) keeps the shape fixed",
+    "bincount": "pass minlength= larger than every value (all examples then have that length), "
+                "or count with torch.zeros(n).index_add_(0, x, weights)",
+    "repeat_interleave": "make the repeats sum to the same total in every example (pad with a "
+                         "dummy element repeated the difference)",
+    "linalg_lstsq": "the residuals are empty for a rank-deficient example: pass "
+                    "driver='gelsy' (no residuals) or compute them as ((A @ X - B) ** 2).sum(-2)",
+}
+_UNIQUE_FIX = ("unique has no fixed-size form: sort instead (torch.sort, then a mask of first "
+               "occurrences, x[1:] != x[:-1]) and keep the mask")
 
-    def rule(info, in_dims, *args, **kwargs):
-        raise dynamic_shape_error(op)
-    rule.__name__ = f"dynamic_shape_error[{op}]"
-    return rule
+
+def ragged_results_error(op, shapes, output: int = 0) -> UnsupportedUnderVmap:
+    """The error for per-example results of different shapes (the loop fallback's)."""
+    name = op.overloadpacket.__name__
+    fix = _FIXES.get(name) or (_UNIQUE_FIX if "unique" in name else
+                               "pad the results to one size (and carry a mask)")
+    shown = ", ".join(f"example {i}: {list(s)}" for i, s in enumerate(shapes[:4]))
+    if len(shapes) > 4:
+        shown += ", ..."
+    return UnsupportedUnderVmap(
+        f"vmap: {op} returns a tensor whose shape depends on the values of its input, and the "
+        f"examples of this batch gave different shapes (output {output}: {shown}), so they "
+        "cannot be stacked into one batched tensor. Use a fixed-shape formulation: "
+        f"{fix}; in general torch.where(mask, x, 0) instead of x[mask], or pad to a known "
+        "size and carry a mask. To keep ragged results, call the function per example outside "
+        "vmap and collect them with torch.nested.nested_tensor([...]).")
 
 
 def _data_dependent_rule_for(op):
@@ -72,7 +101,6 @@ def _data_dependent_rule_for(op):
     return rule
 
 
-register_tag_rule(torch.Tag.dynamic_output_shape, _dynamic_shape_rule_for)
 register_tag_rule(torch.Tag.data_dependent_output, _data_dependent_rule_for)
 
 
@@ -96,3 +124,17 @@ def nonzero_static_rule(info, in_dims, x, *, size, fill_value=-1):
     if size > k:
         out = torch.cat([out, out.new_full((B, size - k, len(shape)), fill_value)], 1)
     return out, 0
+
+
+@register_batch_rule(aten.masked_select.default)
+def masked_select_rule(info, in_dims, x, mask):
+    """An unbatched mask selects the same positions of every example: one boolean index over
+    the batch (both broadcast to their common logical shape first, as eager does).  A batched
+    mask may select a different number per example: declined to the loop, which checks."""
+    if in_dims[1] is not None or in_dims[0] is None or type(mask) is BatchedTensor:
+        raise Decline()   # (a lower level's batched mask: batched there, so ragged too)
+    X = move_bdim_to_front(x, in_dims[0])
+    shape = torch.broadcast_shapes(X.shape[1:], mask.shape)
+    X = X.reshape(X.shape[:1] + (1,) * (len(shape) - (X.dim() - 1)) + X.shape[1:])
+    X = X.expand(X.shape[0], *shape)
+    return X[:, mask.expand(shape)], 0

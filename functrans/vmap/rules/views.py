@@ -1,8 +1,8 @@
 """Views and shape ops: view (and view.dtype), _unsafe_view, _reshape_alias, permute, transpose,
 t, expand, unsqueeze, squeeze (every overload), select, slice, unbind, split, split_with_sizes,
 unsafe_split*, diagonal, unfold, view_as_real/complex, flip, roll, tril/triu (and in-place),
-repeat, cat, stack, and the view backward ops autograd issues (select_backward, slice_backward,
-diagonal_backward, unfold_backward).
+repeat, cat, stack, as_strided and as_strided_scatter, and the view backward ops autograd issues
+(select_backward, slice_backward, diagonal_backward, unfold_backward).
 
 Invariants:
 * view ops return views of the physical input (an in-place op on the result writes through);
@@ -15,13 +15,25 @@ Invariants:
   are checked on a meta tensor of the logical shape first, which raises eager PyTorch's own error
   (see ``_check_logical``).
 
-``as_strided`` addresses storage by absolute offsets, so it only has a per-example meaning when
-each example owns its own block of the storage exactly as a fresh eager tensor would: the
-physical tensor tiles its whole storage, one block of ``stride(bdim)`` elements per example,
-starting at offset 0 (what autograd's ``new_empty_strided`` + ``as_strided`` gradient of an
-in-place slice write produces).  Then every example's window is the same window of its own
-block.  Any other layout is refused with an explanation (never looped: a loop would read the
-wrong example's memory).
+``as_strided`` (and ``as_strided_copy``, ``as_strided_scatter``) address storage by absolute
+offsets, so they have a per-example meaning only when each example stands for a fresh tensor of
+its own (what the per-example loop of an OpInfo test passes, ``example.clone()``).  Two layouts
+qualify.  (1) Each example owns its own block of the storage exactly as a fresh eager tensor
+would: the physical tensor tiles its whole storage, one block of ``stride(bdim)`` elements per
+example, starting at offset 0 (what autograd's ``new_empty_strided`` + ``as_strided`` gradient
+of an in-place slice write produces): every example's window is the same window of its own
+block, and the result is a view.  (2) The batch's memory holds nothing but its examples (offset
+0, dense, a storage of exactly its size; for nested vmap, the innermost physical tensor's), but
+the examples do not own equal blocks of it (nested vmap: the innermost physical tensor holds
+every level's batch), and each example's strides as the function sees them are those of a fresh
+tensor: each example is copied into a fresh block and windowed there; the result is a copy,
+recorded in ``copied_views`` so that a write through it raises.  An interleaved batch
+(``in_dims=-1``) is refused: the function sees strides that interleave the batch, and strides
+computed from them (stft, autograd) would address other elements than strides meant for a
+fresh example (the OpInfo samples); no rule can tell which was meant.  Any other layout (a
+slice sharing storage with elements outside the batch) is refused too (never looped: a loop
+would read the wrong example's memory).  ``as_strided_scatter`` writes into a fresh clone in
+eager, so it takes route (2) whenever the example's strides are a fresh tensor's.
 
 ``view`` aliases whenever one example's view exists, and copies otherwise: see Note [view after
 moving the bdim] in ``vmap/copied_views.py``, which also guards in-place writes into such copies.
@@ -433,24 +445,118 @@ def block_diag_rule(info, in_dims, tensors):
     return torch.cat(rows, 1), 0
 
 
-@register_batch_rule(aten.as_strided.default)
-def as_strided_rule(info, in_dims, x, size, stride, storage_offset=None):
-    """See the module docstring: only for examples that own equal blocks of the storage."""
-    b = in_dims[0]
-    offset = 0 if storage_offset is None else storage_offset
-    if type(x) is BatchedTensor:
-        raise Decline()
-    if 0 in size:  # an empty window reads no memory: any layout will do
-        return x.as_strided((x.shape[b], *size), (0, *stride), x.storage_offset()), 0
-    if x.storage_offset() != 0:
-        raise Decline()
-    block = x.stride(b)
-    owns_storage = x.untyped_storage().nbytes() == x.shape[b] * block * x.element_size()
+def _innermost(x):
+    while type(x) is BatchedTensor:
+        x = x.value
+    return x
+
+
+def _holds_only_its_examples(x) -> bool:
+    """Whether the memory of ``x`` (for a lower level's wrapper: of its innermost physical
+    tensor) holds its elements and nothing else: offset 0, non-overlapping and dense, and a
+    storage exactly that large.  Then every element of the storage belongs to one example, so
+    each example stands for a fresh tensor of its own (see the module docstring)."""
+    p = _innermost(x)
+    if p.layout is not torch.strided or p.storage_offset() != 0:
+        return False
+    if p.untyped_storage().nbytes() != p.numel() * p.element_size():
+        return False
+    return _dense_strides(p.shape, p.stride()) == tuple(p.stride())
+
+
+def _dense_strides(shape, strides):
+    """The strides of a dense tensor of ``shape`` whose dims are laid out in the memory order of
+    ``strides`` (largest stride outermost; ties keep the dims' order)."""
+    order = sorted(range(len(shape)), key=lambda d: (strides[d], -d) if shape[d] > 1
+                   else (-1, -d), reverse=True)
+    out, step = [0] * len(shape), 1
+    for d in reversed(order):
+        out[d] = step
+        step *= max(shape[d], 1)
+    return tuple(out)
+
+
+def _fresh_layout(x, b) -> bool:
+    """Whether one example's strides, as the wrapper reports them to the function, are those of
+    a fresh tensor of its own (dense in its own memory order).  Only then do strides computed
+    from ``x.stride()`` (stft, autograd's as_strided views) and strides meant for a fresh
+    example (a user's literal ones) address the same elements: for an interleaved batch
+    (``in_dims=-1``) they would not, and guessing would be a silent wrong answer."""
     shape, strides = list(x.shape), list(x.stride())
     del shape[b], strides[b]
-    example_extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides) if n > 0)
-    window_end = offset + sum((n - 1) * st for n, st in zip(size, stride) if n > 0)
-    if not owns_storage or example_extent > block or offset < 0 or \
-            (0 not in size and window_end >= block):
+    return all(n <= 1 or s == d for n, s, d in zip(shape, strides,
+                                                   _dense_strides(shape, strides)))
+
+
+def _fresh_examples(x, b):
+    """``(P, numel)``: the batch with each example copied into a fresh block of its own (batch
+    first), laid out in the example's memory order, i.e. what eager's ``example.clone()`` is."""
+    shape, strides = list(x.shape), list(x.stride())
+    B = shape.pop(b)
+    del strides[b]
+    n = 1
+    for s in shape:
+        n *= s
+    dense = _dense_strides(shape, strides)
+    P = x.new_empty_strided((B, *shape), (max(n, 1), *dense))
+    P.copy_(move_bdim_to_front(x, b))
+    return P, max(n, 1)
+
+
+def _check_window(size, stride, offset, n):
+    end = offset + sum((k - 1) * st for k, st in zip(size, stride) if k > 0)
+    if offset < 0 or (0 not in size and end >= n):
+        # eager's own error for one example (a fresh tensor of n elements)
+        torch.empty(n, device="meta").as_strided(size, stride, offset)
+        raise RuntimeError(
+            f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset} "
+            f"are out of bounds for storage of size {n} (one example's storage)")
+
+
+@register_batch_rule(aten.as_strided.default)
+def as_strided_rule(info, in_dims, x, size, stride, storage_offset=None):
+    """See the module docstring: a view when the examples own equal blocks of the storage, a
+    copy of fresh examples when the batch's memory holds only its examples, else refused."""
+    b = in_dims[0]
+    offset = 0 if storage_offset is None else storage_offset
+    if 0 in size and type(x) is not BatchedTensor:  # an empty window reads no memory
+        return x.as_strided((x.shape[b], *size), (0, *stride), x.storage_offset()), 0
+    if type(x) is not BatchedTensor and x.storage_offset() == 0:
+        block = x.stride(b)
+        owns_storage = x.untyped_storage().nbytes() == x.shape[b] * block * x.element_size()
+        shape, strides = list(x.shape), list(x.stride())
+        del shape[b], strides[b]
+        example_extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides) if n > 0)
+        window_end = offset + sum((n - 1) * st for n, st in zip(size, stride) if n > 0)
+        if owns_storage and example_extent <= block and offset >= 0 and window_end < block:
+            return x.as_strided((x.shape[b], *size), (block, *stride), offset), 0
+    if not (_holds_only_its_examples(x) and _fresh_layout(x, b)):
         raise Decline()
-    return x.as_strided((x.shape[b], *size), (block, *stride), offset), 0
+    P, n = _fresh_examples(x, b)
+    _check_window(size, stride, offset, n)
+    out = P.as_strided((P.shape[0], *size), (n, *stride), offset)
+    copied_views.record(out, x)   # a write through it would not reach x: refused
+    return out, 0
+
+
+@register_batch_rule(aten.as_strided_scatter.default)
+def as_strided_scatter_rule(info, in_dims, x, src, size, stride, storage_offset=None):
+    """Eager writes ``src`` into ``as_strided`` of a fresh clone of ``x``: here, into a fresh
+    block per example (see ``_fresh_examples``), out of place (an index_copy into each block's
+    storage order), so that a ``src`` batched only at a lower level needs no in-place write."""
+    B = info.batch_size
+    offset = 0 if storage_offset is None else storage_offset
+    b = in_dims[0]
+    X = x if b is not None else x.unsqueeze(0).expand(B, *x.shape)
+    b = 0 if b is None else b
+    if not _fresh_layout(X, b):
+        raise Decline()
+    P, n = _fresh_examples(X, b)
+    _check_window(size, stride, offset, n)
+    where = torch.arange(n, device=P.device).as_strided(size, stride, offset).reshape(-1)
+    if where.numel() != where.unique().numel():
+        raise Decline()   # overlapping windows: eager's result depends on the write order
+    flat = P.as_strided((B, n), (n, 1), 0)
+    S = ensure_bdim_front(src, in_dims[1], B).reshape(B, -1).to(P.dtype)
+    out = flat.index_copy(1, where, S)
+    return out.as_strided(P.shape, P.stride(), 0), 0
