@@ -11,10 +11,13 @@ from .autodiff.jvp import jvp, linearize
 from .autodiff.jacobians import jacrev, jacfwd, hessian
 from .vmap.report import FallbackReport, batching_coverage, batching_rules, record_fallbacks
 from .nn import Ensemble, functional_call, replace_all_batch_norm_modules_, stack_module_state
+from .functionalize import functionalize
+from .einops import rearrange
 from . import config
 
 for _f in (vmap, grad, grad_and_value, vjp, jvp, linearize, jacrev, jacfwd, hessian,
-           functional_call, stack_module_state, replace_all_batch_norm_modules_):
+           functional_call, stack_module_state, replace_all_batch_norm_modules_, functionalize,
+           rearrange):
     _f.__module__ = "functrans"
 del _f
 
@@ -22,5 +25,5 @@ __all__ = ["vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev"
            "hessian", "functional_call", "stack_module_state", "replace_all_batch_norm_modules_",
            "Ensemble", "config", "record_fallbacks", "FallbackReport", "batching_coverage",
            "batching_rules", "FunctransError", "TransformArgumentError", "UnsupportedUnderVmap",
-           "EscapedBatchedTensorError", "PerformanceWarning"]
+           "EscapedBatchedTensorError", "PerformanceWarning", "functionalize", "rearrange"]
 __version__ = "0.1.0"

@@ -41,6 +41,7 @@ import torch
 import torch.autograd.forward_ad as _fwAD
 
 from ..errors import EscapedBatchedTensorError, UnsupportedUnderVmap
+from .. import functionalize as _functionalize
 from . import copied_views, registry
 from .batched_tensor import BatchedTensor
 
@@ -297,7 +298,17 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], meta: _OpMeta = 
                         level = b.level
     if not level.alive and torch._C._current_autograd_node() is None:
         raise _escaped_error(op, level)
+    if _functionalize._active_anywhere:
+        # functionalize(vmap(f)): the physical values are functional wrappers, and PyTorch
+        # excludes the Functionalize key inside __torch_dispatch__ (see functrans.functionalize).
+        guard = _functionalize.physical_functionalization(level)
+        if guard is not None:
+            with guard:
+                return _dispatch_level(op, args, kwargs, meta, level)
+    return _dispatch_level(op, args, kwargs, meta, level)
 
+
+def _dispatch_level(op, args, kwargs, meta, level):
     if meta is None:
         meta = _op_meta.get(id(op)) or op_meta(op)
     if meta.generation != registry.generation():

@@ -1,0 +1,45 @@
+"""``rearrange(tensor, pattern, **axes_lengths)``: einops-style axis rearrangement that works on
+functrans's transformed tensors (per-example patterns under ``vmap``, differentiable under
+``grad``/``jacrev``...).
+
+What this module owns: the public ``rearrange`` entry point and the clear ImportError when the
+optional ``einops`` package is missing.
+
+Why einops and not a re-implementation: ``einops.rearrange`` only reads the tensor's (logical)
+shape and calls ``reshape``/``permute``/``expand``-free view ops on it; a ``BatchedTensor``
+reports the per-example shape and functrans batches those ops, so the full einops pattern
+language (``...``, ``()``, ``1``, composed and decomposed axes, its error messages) comes for
+free and stays exactly einops's semantics.  einops is a small pure-Python package; it is an
+optional extra (``pip install functrans[einops]``) so the core keeps its two dependencies.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["rearrange"]
+
+
+def rearrange(tensor: torch.Tensor, pattern: str, **axes_lengths: Any) -> torch.Tensor:
+    """Rearrange the axes of ``tensor`` by an einops pattern, e.g. ``'b c h w -> b (h w) c'``,
+    ``'(b1 b2) c -> b1 b2 c'`` with ``b1=2``, ``'... c -> c ...'``.
+
+    Under ``vmap`` the pattern describes ONE example (the logical shape): the batch dim is
+    never named.  Needs the optional ``einops`` package (``pip install functrans[einops]``).
+    """
+    try:
+        import einops
+    except ImportError as e:
+        raise ImportError(
+            "functrans.rearrange needs the optional 'einops' package, which is not installed. "
+            "Install it with `pip install functrans[einops]` (or `pip install einops`).") from e
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"functrans.rearrange(tensor, pattern): expected tensor to be a torch.Tensor, got "
+            f"{type(tensor).__name__}. For a list of tensors, torch.stack them first.")
+    if not isinstance(pattern, str):
+        raise TypeError(
+            f"functrans.rearrange(tensor, pattern): expected pattern to be a str such as "
+            f"'b c h w -> b (h w) c', got {type(pattern).__name__}.")
+    return einops.rearrange(tensor, pattern, **axes_lengths)

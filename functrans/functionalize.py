@@ -1,0 +1,256 @@
+"""``functionalize(func, *, remove=...)``: run a function with its mutations (and optionally its
+views) replaced by out-of-place ops, as PyTorch's own ``functionalize`` transform does.
+
+What this module owns
+- the public ``functionalize`` transform, built on PyTorch's C++ functionalization pass
+  (``torch._to_functional_tensor`` / ``torch._enable_functionalization`` / ``torch._sync`` /
+  ``torch._from_functional_tensor``), never on PyTorch's own transform layers;
+- the differentiable wrapping of inputs into functional wrappers and of outputs back out
+  (``_ToFunctional`` / ``_FromFunctional``: ``torch.autograd.Function``s with ``backward`` and
+  ``jvp``), so ``grad``, ``vjp``, ``jacrev``, ``jvp`` and ``jacfwd`` compose over it;
+- writing mutations of inputs back to the caller's tensors after ``func`` returns;
+- ``physical_functionalization(level)``: the hook the vmap dispatcher uses so that
+  ``functionalize(vmap(f))`` works (see below).
+
+How it composes
+- The Functionalize dispatch key sits below Autograd and above Python, so autograd records the
+  user's ops on the functional wrappers (its backward formulas then run through the
+  functionalization kernels too), and a BatchedTensor *inside* a functional wrapper
+  (``vmap(functionalize(f))``) receives the already functionalized ops.
+- A functional wrapper *inside* a BatchedTensor (``functionalize(vmap(f))``): PyTorch excludes
+  the Functionalize key inside every ``__torch_dispatch__``, so a batching rule's physical ops on
+  functional wrappers would reach the dense kernels (a crash in PyTorch).  Each call records an
+  id from the level counter; the dispatcher asks ``physical_functionalization(level)`` and, for a
+  vmap level entered after an active functionalize, runs the rule with the key switched back on.
+- ``make_fx(functionalize(f))`` records the out-of-place ops the pass emits below it: a graph
+  with no mutations (and with ``*_copy`` view ops for ``remove='mutations_and_views'``), plus the
+  ``copy_`` that writes a mutated input back, exactly as PyTorch's transform does.
+
+Limitations: in ``functionalize(vmap(f))``, a tensor that ``f`` creates with a factory
+(``torch.zeros(3)``) and writes into before it meets a batched value keeps that write in a traced
+graph (the vmap's logical ops run with functionalization off; values are right).  As in
+PyTorch's transform, mutations of closed-over tensors are not removed (they
+are not inputs), and an input whose metadata is changed in place (``x.transpose_(0, 1)``) is
+refused with a clear error instead of being written back.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Callable, List
+
+import torch
+import torch.autograd.forward_ad as _fwAD
+
+from . import _levels
+from ._pytree import leaf_paths, tree_flatten, tree_unflatten
+from .errors import FunctransError, TransformArgumentError
+
+__all__ = ["functionalize"]
+
+_FUNCTIONALIZE = torch._C.DispatchKey.Functionalize
+_KEYSET = torch._C.DispatchKeySet(_FUNCTIONALIZE)
+
+_tls = threading.local()
+# Number of functionalize calls running in any thread: a cheap test for the vmap dispatcher's
+# hot path (the thread-local stack below decides).
+_active_anywhere = 0
+
+
+def _active() -> List[int]:
+    s = getattr(_tls, "active", None)
+    if s is None:
+        s = _tls.active = []
+    return s
+
+
+def _is_functional(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and torch._is_functional_tensor(t)
+
+
+def _unwrap(t: torch.Tensor) -> torch.Tensor:
+    if _is_functional(t):
+        torch._sync(t)
+        return torch._from_functional_tensor(t)
+    return t
+
+
+class _ToFunctional(torch.autograd.Function):
+    """Wrap a tensor into a functional wrapper; the gradient passes through unwrapped."""
+
+    @staticmethod
+    def forward(x):
+        return torch._to_functional_tensor(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return _unwrap(g)
+
+    @staticmethod
+    def jvp(ctx, t):
+        # A fresh wrapper: an in-place op on the input inside func updates its tangent in place
+        # (with the functional primal), which must stay functionalized and must not write into
+        # the caller's tangent.
+        if _is_functional(t):
+            return t
+        if type(t) is not torch.Tensor:
+            raise FunctransError(
+                "functionalize: forward-mode AD over functionalize (jvp, jacfwd, hessian) is "
+                f"supported with ordinary tangents only; got a tangent of type {type(t).__name__} "
+                "(jacfwd and vmap over jvp batch the tangents). Use jacrev instead of jacfwd, or "
+                "put functionalize outside: functionalize(jacfwd(f)).")
+        return torch._to_functional_tensor(t)
+
+
+class _FromFunctional(torch.autograd.Function):
+    """Unwrap a functional output (after applying its pending updates)."""
+
+    @staticmethod
+    def forward(w, originals):
+        inner = _unwrap(w)
+        if id(inner) in originals:
+            # func returned (a wrapper of) an input: hand out an alias, never the caller's own
+            # tensor object, whose autograd metadata this Function would overwrite.
+            inner = torch.ops.aten.alias.default(inner)
+        return inner
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return _unwrap(t)
+
+
+def _set_tls(enabled: bool, reapply_views: bool) -> None:
+    if enabled:
+        torch._enable_functionalization(reapply_views=reapply_views)
+    else:
+        torch._disable_functionalization()
+
+
+@contextlib.contextmanager
+def _functionalization(reapply_views: bool, marker: int):
+    global _active_anywhere
+    prev_on = torch._C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE)
+    prev_reapply = torch._C._functionalization_reapply_views_tls()
+    active = _active()
+    active.append(marker)
+    _active_anywhere += 1
+    _set_tls(True, reapply_views)
+    try:
+        yield
+    finally:
+        _set_tls(prev_on, prev_reapply)
+        active.pop()
+        _active_anywhere -= 1
+
+
+def physical_functionalization(level) -> contextlib.AbstractContextManager:
+    """For the vmap dispatcher: a context that switches the Functionalize key back on for the
+    physical ops of a rule of ``level`` when a functionalize call is active OUTSIDE that vmap
+    (its physical values are then functional wrappers); ``None`` when nothing is needed."""
+    if not _active_anywhere:
+        return None
+    active = _active()
+    if not active or active[-1] > level.id:
+        return None  # no functionalize, or the innermost one runs inside this vmap
+    include = torch._C._dispatch_tls_local_include_set() | _KEYSET
+    exclude = torch._C._dispatch_tls_local_exclude_set() - _KEYSET
+    return torch._C._ForceDispatchKeyGuard(include, exclude)
+
+
+def logical_ops(level) -> contextlib.AbstractContextManager:
+    """For vmap: while a vmap runs inside a functionalize call, its LOGICAL ops (on
+    BatchedTensors, and factories such as ``torch.zeros`` in the vmapped function) must not be
+    functionalized at the outer level, or a functional wrapper would end up around a
+    BatchedTensor that then escapes its vmap.  Only the rules' physical ops are (see
+    ``physical_functionalization``).  A no-op when no functionalize call is active."""
+    if not _active_anywhere or not _active() \
+            or not torch._C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE):
+        return contextlib.nullcontext()
+    include = torch._C._dispatch_tls_local_include_set() - _KEYSET
+    return torch._C._ForceDispatchKeyGuard(include, torch._C._dispatch_tls_local_exclude_set())
+
+
+def _write_back(original: torch.Tensor, wrapped: torch.Tensor, pos) -> None:
+    """Apply a mutation of an input made inside func to the caller's tensor (as PyTorch's
+    transform does): ``original.copy_(new value)``, recorded by autograd like the eager op."""
+    torch._sync(wrapped)
+    if torch._functionalize_has_metadata_mutation(wrapped):
+        raise FunctransError(
+            f"functionalize: the function changed the shape or strides of its input {pos()} in "
+            "place (e.g. x.transpose_(0, 1) or x.resize_(...)); functrans cannot write such a "
+            "change back to the caller's tensor. Use the out-of-place op (x = x.transpose(0, 1)) "
+            "and return the result instead.")
+    if not torch._functionalize_has_data_mutation(wrapped):
+        return
+    if _fwAD._current_level >= 0 and _fwAD.unpack_dual(original).tangent is not None:
+        raise FunctransError(
+            f"functionalize: the function wrote in place into its input {pos()}, which carries a "
+            "forward-mode tangent (jvp over functionalize); writing that mutation back is not "
+            "supported. Clone the input inside the function (x = x.clone()) before writing.")
+    new = _FromFunctional.apply(wrapped, frozenset((id(original),)))
+    original.copy_(new)
+
+
+def functionalize(func: Callable, *, remove: str = "mutations") -> Callable:
+    """Return a function with the semantics of ``func`` whose in-place ops (and, with
+    ``remove='mutations_and_views'``, view ops) run as out-of-place ops.
+
+    Args:
+        func: a function of tensors (pytrees of tensors in and out).
+        remove: ``'mutations'`` (default): every in-place and ``out=`` op becomes its
+            out-of-place counterpart; ``'mutations_and_views'``: in addition every view op
+            becomes its ``*_copy`` counterpart (no aliasing left in a traced graph).
+
+    Mutations of the inputs are written back to them after ``func`` returns (one ``copy_`` per
+    mutated input), so callers see the same effect as running ``func`` itself.  The returned
+    function composes with every functrans transform, in both orders, and with ``make_fx``.
+    """
+    if remove == "mutations":
+        reapply_views = True
+    elif remove == "mutations_and_views":
+        reapply_views = False
+    else:
+        raise TransformArgumentError(
+            f"functionalize(func, remove=...): got remove={remove!r}; expected 'mutations' (every "
+            "in-place op is replaced by its out-of-place counterpart) or 'mutations_and_views' "
+            "(in addition every view op is replaced by its *_copy counterpart).")
+    if not callable(func):
+        raise TransformArgumentError(
+            f"functionalize(func): expected func to be a callable, got {type(func).__name__}.")
+
+    @functools.wraps(func)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        flat, spec = tree_flatten((args, kwargs))
+        # Inputs already functional (a functionalize nested in another) are left as they are:
+        # the outer pass removes their mutations.
+        new_flat = [_ToFunctional.apply(a)
+                    if isinstance(a, torch.Tensor) and not _is_functional(a) else a
+                    for a in flat]
+        marker = _levels.Level("functionalize").id
+        with _functionalization(reapply_views, marker):
+            f_args, f_kwargs = tree_unflatten(new_flat, spec)
+            out = func(*f_args, **f_kwargs)
+        originals = frozenset(id(a) for a in flat if isinstance(a, torch.Tensor))
+        out_flat, out_spec = tree_flatten(out)
+        out_flat = [_FromFunctional.apply(o, originals) if _is_functional(o) else o
+                    for o in out_flat]
+        for i, (a, w) in enumerate(zip(flat, new_flat)):
+            if w is not a:
+                _write_back(a, w, lambda: (leaf_paths(args, "args")
+                                           + leaf_paths(kwargs, "kwargs"))[i])
+        return tree_unflatten(out_flat, out_spec)
+
+    return wrapped

@@ -1,0 +1,153 @@
+"""functrans.functionalize against the reference transform (values, input write-back, traced
+graphs) and composed with every functrans transform, in both orders."""
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import functrans
+from functrans import functionalize
+from tests.oracles import assert_same, loop_oracle
+
+ref = torch.func
+
+
+def views_and_writes(a):
+    b = a + 1
+    c = b.view(-1)
+    c.add_(1)
+    d = torch.zeros(a.shape[-1])
+    d[1] = 2.0
+    return b * d.sum() * a
+
+
+def mutates_input(a):
+    b = a.view(-1)
+    b.mul_(2)
+    return a * a
+
+
+def pytree_fn(inp):
+    x, y = inp["x"], inp["y"]
+    x.add_(y)
+    z = y.clone()
+    z[0].mul_(3)
+    return {"sum": (x * z).sum(), "pair": (z, x.sin())}
+
+
+def _ops(gm):
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("remove", ["mutations", "mutations_and_views"])
+@pytest.mark.parametrize("fn", [views_and_writes, mutates_input])
+def test_values_write_back_and_graph_match_reference(fn, remove):
+    x = torch.randn(3)
+    x1, x2 = x.clone(), x.clone()
+    assert_same(functionalize(fn, remove=remove)(x1), fn(x2.clone()))
+    assert_same(functionalize(fn, remove=remove)(x.clone()),
+                ref.functionalize(fn, remove=remove)(x.clone()))
+    x3 = x.clone()
+    ref.functionalize(fn, remove=remove)(x3)
+    assert_same(x1, x3)  # the input's mutation is written back as the reference does
+    ours = make_fx(functionalize(fn, remove=remove))(x.clone())
+    theirs = make_fx(ref.functionalize(fn, remove=remove))(x.clone())
+    assert _ops(ours) == _ops(theirs)
+    mutating = [o for o in _ops(ours) if o.split(".")[1].endswith("_")]
+    assert mutating == (["aten.copy_.default"] if fn is mutates_input else [])
+    views = {"aten.view.default", "aten.select.int"}
+    if remove == "mutations_and_views":
+        assert not views & set(_ops(ours)) and "aten.view_copy.default" in _ops(ours)
+    else:
+        assert "aten.view.default" in _ops(ours)
+
+
+def test_pytrees_in_and_out():
+    inp = {"x": torch.randn(4), "y": torch.randn(4)}
+    a = {k: v.clone() for k, v in inp.items()}
+    b = {k: v.clone() for k, v in inp.items()}
+    assert_same(functionalize(pytree_fn)(a), ref.functionalize(pytree_fn)(b))
+    assert_same(a, b)
+
+
+def test_vmap_over_functionalize_matches_loop_and_reference():
+    X = torch.randn(4, 3)
+    assert_same(functrans.vmap(functionalize(views_and_writes))(X),
+                loop_oracle(views_and_writes, (0,), 4, X))
+    X1, X2 = X.clone(), X.clone()
+    out = functrans.vmap(functionalize(mutates_input))(X1)
+    assert_same(out, ref.vmap(ref.functionalize(mutates_input))(X2))
+    assert_same(X1, X2)
+
+
+def test_functionalize_over_vmap_matches_reference_and_traces_without_mutations():
+    X = torch.randn(4, 3)
+    assert_same(functionalize(functrans.vmap(views_and_writes))(X),
+                loop_oracle(views_and_writes, (0,), 4, X))
+    X1, X2 = X.clone(), X.clone()
+    assert_same(functionalize(functrans.vmap(mutates_input))(X1),
+                ref.functionalize(ref.vmap(mutates_input))(X2))
+    assert_same(X1, X2)
+    def batched_writes(a):
+        b = a + 1
+        b.view(-1)[1:].mul_(a[:2])
+        return b * a
+
+    gm = make_fx(functionalize(functrans.vmap(batched_writes)))(X)
+    assert not [o for o in _ops(gm) if o.split(".")[1].endswith("_")]
+    assert_same(gm(X), loop_oracle(batched_writes, (0,), 4, X))
+    gm = make_fx(functionalize(functrans.vmap(mutates_input)))(X.clone())
+    assert [o for o in _ops(gm) if o.split(".")[1].endswith("_")] == ["aten.copy_.default"]
+
+
+def _copying(fn):
+    return lambda x: fn(x.clone())
+
+
+def test_reverse_mode_over_functionalize():
+    x = torch.randn(3)
+    X = torch.randn(4, 3)
+    for fn in (views_and_writes, _copying(mutates_input)):
+        loss = lambda x, fn=fn: fn(x).sum()  # noqa: E731
+        assert_same(functrans.grad(lambda x: functionalize(fn)(x).sum())(x), ref.grad(loss)(x))
+        assert_same(functrans.jacrev(functionalize(fn))(x), ref.jacrev(fn)(x))
+        out, pull = functrans.vjp(functionalize(fn), x)
+        ref_out, ref_pull = ref.vjp(fn, x)
+        v = torch.randn(3)
+        assert_same(out, ref_out)
+        assert_same(pull(v), ref_pull(v))
+        assert_same(functrans.vmap(functrans.grad(lambda x: functionalize(fn)(x).sum()))(X),
+                    ref.vmap(ref.grad(loss))(X))
+        assert_same(functrans.grad(lambda x: functionalize(functrans.vmap(fn))(x).sum())(X),
+                    ref.grad(lambda x: ref.vmap(fn)(x).sum())(X))
+
+
+def test_jvp_over_functionalize_with_in_place_ops():
+    x, t = torch.randn(3), torch.randn(3)
+    for fn in (views_and_writes, _copying(mutates_input),
+               lambda a: a.clone().mul_(a).view(-1).add_(1)):
+        ours = functrans.jvp(functionalize(fn), (x,), (t,))
+        assert_same(ours, ref.jvp(fn, (x,), (t,)))
+
+
+def test_batched_tangents_are_refused_clearly():
+    with pytest.raises(functrans.FunctransError, match="forward-mode AD over functionalize"):
+        functrans.jacfwd(functionalize(views_and_writes))(torch.randn(3))
+
+
+def test_bad_remove_and_func():
+    with pytest.raises(functrans.TransformArgumentError, match="mutations_and_views"):
+        functionalize(views_and_writes, remove="views")
+    with pytest.raises(functrans.TransformArgumentError, match="callable"):
+        functionalize(3)
+
+
+def test_input_metadata_mutation_is_refused_clearly():
+    with pytest.raises(functrans.FunctransError, match=r"shape or strides.*args\[0\]"):
+        functionalize(lambda a: a.transpose_(0, 1))(torch.randn(2, 3))
+
+
+def test_returning_an_input_gives_an_alias_not_the_callers_tensor():
+    x = torch.randn(3, requires_grad=True)
+    out = functionalize(lambda a: a)(x)
+    assert out is not x and x.grad_fn is None
+    assert_same(out, x)
