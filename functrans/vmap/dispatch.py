@@ -275,7 +275,8 @@ def _resolve(op, meta: _OpMeta) -> None:
     meta.generation = registry.generation()
 
 
-def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], meta: _OpMeta = None):
+def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], meta: _OpMeta = None,
+             _guarded: bool = False):
     # One pass to find the top level (wrappers of the highest level are unwrapped below).
     level = None
     for a in args:
@@ -298,17 +299,16 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], meta: _OpMeta = 
                         level = b.level
     if not level.alive and torch._C._current_autograd_node() is None:
         raise _escaped_error(op, level)
-    if _functionalize._active_anywhere:
+    if _functionalize._active_anywhere and not _guarded:
         # functionalize(vmap(f)): the physical values are functional wrappers, and PyTorch
         # excludes the Functionalize key inside __torch_dispatch__ (see functrans.functionalize).
+        # (Re-entered with _guarded rather than split into two functions: one Python call
+        # less on every op of the common path.)
         guard = _functionalize.physical_functionalization(level)
         if guard is not None:
             with guard:
-                return _dispatch_level(op, args, kwargs, meta, level)
-    return _dispatch_level(op, args, kwargs, meta, level)
+                return dispatch(op, args, kwargs, meta, _guarded=True)
 
-
-def _dispatch_level(op, args, kwargs, meta, level):
     if meta is None:
         meta = _op_meta.get(id(op)) or op_meta(op)
     if meta.generation != registry.generation():
