@@ -16,10 +16,12 @@ where the user switched forward AD off, even around an inner jvp (the reference 
 the same).  Known difference: the double-vjp route is reverse mode, so it differentiates its
 own level through such a region, where the reference library's forward mode sees constants.
 
-Tangents of another floating dtype than their primal (a float64 tangent for a float32 primal)
+Inside ``vmap``, tangents of another floating dtype than their primal (a float64 tangent for a
+float32 primal: laplace-torch's GGN products under ``torch.set_default_dtype(torch.float64)``)
 are accepted as the reference library accepts them: the derivative is computed in the primal's
 dtype and each output tangent is promoted with the tangents' dtypes (a float64 tangent gives a
-float64 output tangent, as there).
+float64 output tangent, as there).  Outside vmap the mismatch is refused with a clear error,
+as vjp_fn refuses a cotangent of another dtype (the reference accepts both).
 """
 from __future__ import annotations
 
@@ -74,15 +76,20 @@ def _check_primals_tangents(primals, tangents, api: str):
             raise TransformArgumentError(
                 f"{api}: the tangent for {names[i]} has shape {tuple(t.shape)} but the primal "
                 f"has shape {tuple(p.shape)}; each tangent must have its primal's shape.")
-        if p.dtype != t.dtype and not (p.is_floating_point() and t.is_floating_point()):
-            # Another floating dtype is accepted (see the module docstring); a complex
-            # tangent for a real primal (or the reverse) or an integer tangent is refused.
+        if p.dtype != t.dtype and not (p.is_floating_point() and t.is_floating_point()
+                                       and _under_vmap()):
+            # Under vmap another floating dtype is accepted (see the module docstring); a
+            # complex tangent for a real primal (or the reverse), an integer tangent, or any
+            # other dtype outside vmap is refused.
             names = names or leaf_paths(tuple(primals), "primals")
             raise TransformArgumentError(
                 f"{api}: the tangent for {names[i]} has dtype {t.dtype} but the primal has "
-                f"dtype {p.dtype}; a tangent must be a floating point tensor for a floating "
-                f"point primal (complex for complex). Convert it with .to({p.dtype}).")
+                f"dtype {p.dtype}; convert the tangent with .to({p.dtype}).")
     return flat_p, flat_t, spec_p
+
+
+def _under_vmap() -> bool:
+    return any(level.kind == "vmap" for level in _levels.stack())
 
 
 def _cast_tangents(flat_p, flat_t):

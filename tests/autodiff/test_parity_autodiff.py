@@ -75,8 +75,6 @@ def test_nested_jvp_and_jacobians_under_disabled_forward_grad():
     x, t, t2 = _x()
     f = lambda y: torch.sin(y) * y  # noqa: E731
     with fwAD._set_fwd_grad_enabled(False):
-        for M in (functrans, TF):
-            pass
         inner_ft = lambda z: functrans.jvp(f, (z,), (t2,))  # noqa: E731
         inner_tf = lambda z: TF.jvp(f, (z,), (t2,))  # noqa: E731
         torch.testing.assert_close(functrans.jvp(inner_ft, (x,), (t,)),
@@ -326,37 +324,56 @@ def test_vmap_jvp_accepts_float64_tangents_for_float32_primals(in_dims):
         assert a.dtype == b.dtype == torch.float64
 
 
-def test_jvp_tangent_dtypes_unbatched_match_reference():
+def test_jvp_tangent_dtypes_under_vmap_match_reference():
     x, _, _ = _x()
+    xs = torch.stack([perturb_like(x, i) for i in range(3)])
     for tdtype in (torch.float64, torch.float16):
-        t = torch.linspace(-1, 1, 3, dtype=tdtype)
-        ours = functrans.jvp(torch.sin, (x,), (t,))
-        ref = TF.jvp(torch.sin, (x,), (t,))
+        ts = torch.stack([torch.linspace(-1, 1, 3) * (i + 1) for i in range(3)]).to(tdtype)
+        ours = functrans.vmap(lambda p, t: functrans.jvp(torch.sin, (p,), (t,)))(xs, ts)
+        ref = TF.vmap(lambda p, t: TF.jvp(torch.sin, (p,), (t,)))(xs, ts)
         assert ours[1].dtype == ref[1].dtype
         torch.testing.assert_close(ours, ref, rtol=1e-3, atol=1e-3)
     # a float32 tangent for a float64 primal, on the double-vjp route too
-    xd = x.double().requires_grad_()
-    ours = functrans.jvp(torch.sin, (xd,), (x,))
-    ref = TF.jvp(torch.sin, (xd,), (x,))
+    xd = xs.double().requires_grad_()
+    ours = functrans.vmap(lambda p, t: functrans.jvp(torch.sin, (p,), (t,)))(xd, xs)
+    ref = TF.vmap(lambda p, t: TF.jvp(torch.sin, (p,), (t,)))(xd, xs)
     assert ours[1].dtype == ref[1].dtype == torch.float64
     torch.testing.assert_close(ours, ref)
     # an integer tangent is refused clearly (the reference refuses it too)
+    ints = torch.ones(3, 3, dtype=torch.int64)
     with pytest.raises(TransformArgumentError, match="tangent for primals\\[0\\]"):
-        functrans.jvp(torch.sin, (x,), (torch.ones(3, dtype=torch.int64),))
+        functrans.vmap(lambda p, t: functrans.jvp(torch.sin, (p,), (t,)))(xs, ints)
     with pytest.raises(ValueError):
-        TF.jvp(torch.sin, (x,), (torch.ones(3, dtype=torch.int64),))
+        TF.vmap(lambda p, t: TF.jvp(torch.sin, (p,), (t,)))(xs, ints)
     # a complex tangent for a real primal: refused (the reference silently drops or keeps
     # the imaginary part depending on the op)
-    with pytest.raises(TransformArgumentError, match="complex"):
-        functrans.jvp(torch.sin, (x,), (torch.ones(3, dtype=torch.complex64),))
+    with pytest.raises(TransformArgumentError, match="complex64"):
+        functrans.vmap(lambda p, t: functrans.jvp(torch.sin, (p,), (t,)))(
+            xs, torch.ones(3, 3, dtype=torch.complex64))
 
 
-def test_linearize_jvp_fn_with_float64_tangent():
+def test_jvp_tangent_of_another_dtype_outside_vmap_keeps_the_clear_error():
+    """Outside vmap the reference accepts a float64 tangent for a float32 primal (and returns a
+    float64 tangent); functrans keeps refusing it with a clear error, as it refuses a vjp_fn
+    cotangent of another dtype that the reference also accepts."""
     x, _, _ = _x()
     t = torch.linspace(-1, 1, 3, dtype=torch.float64)
+    assert TF.jvp(torch.sin, (x,), (t,))[1].dtype == torch.float64
+    with pytest.raises(TransformArgumentError,
+                       match=r"tangent for primals\[0\] has dtype torch.float64.*"
+                             r"\.to\(torch.float32\)"):
+        functrans.jvp(torch.sin, (x,), (t,))
     _, jvp_fn = functrans.linearize(torch.sin, x)
-    ours = jvp_fn(t)
-    ref = TF.jvp(torch.sin, (x,), (t,))[1]
+    with pytest.raises(TransformArgumentError, match="has dtype torch.float64"):
+        jvp_fn(t)
+
+
+def test_linearize_jvp_fn_with_float64_tangents_under_vmap():
+    x, _, _ = _x()
+    ts = torch.stack([torch.linspace(-1, 1, 3) * (i + 1) for i in range(4)]).double()
+    _, jvp_fn = functrans.linearize(torch.sin, x)
+    ours = functrans.vmap(jvp_fn)(ts)
+    ref = TF.vmap(lambda t: TF.jvp(torch.sin, (x,), (t,))[1])(ts)
     assert ours.dtype == ref.dtype == torch.float64
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
 
