@@ -37,8 +37,8 @@ from ..errors import TransformArgumentError
 from ..vmap.api import ForwardModeAroundVmap
 from .exact_norms import autodiff_level
 from ._differentiable import (connected_outside, depends_on, detach_tree,
-                              flatten_tensor_outputs, internal_leaf, make_differentiable, outer_needs_graph,
-                              reaches_outside, split_aux)
+                              flatten_tensor_outputs, internal_leaf, make_differentiable,
+                              outer_needs_graph, reaches_outside, split_aux)
 
 
 def _check_primals_tangents(primals, tangents, api: str):
@@ -146,8 +146,7 @@ def jvp_impl(func, primals, tangents, has_aux, api, strict=False):
     result = _jvp_routes(func, flat_p, flat_t, spec, has_aux, api, strict)
     if promote is None:
         return result
-    _, tangents_out = result[0], result[1]
-    flat_to, spec_to = tree_flatten(tangents_out)
+    flat_to, spec_to = tree_flatten(result[1])
     return (result[0], tree_unflatten(_promote_tangents(flat_to, promote), spec_to)) + \
         tuple(result[2:])
 
