@@ -169,6 +169,42 @@ def reaches_outside(roots: Sequence[Any], own: Sequence[torch.Tensor]) -> bool:
     return False
 
 
+def depends_on(root: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether ``root``'s autograd graph reaches one of ``inputs`` (a transform's aliases, leaf
+    or view): whether ``root`` depends on them at all (``jvp(strict=True)``).  Physical values
+    inside BatchedTensors are walked too, as in ``reaches_outside``."""
+    nodes, leaves = set(), set()
+    for x in inputs:
+        while isinstance(x, torch.Tensor):
+            if x.grad_fn is not None:
+                nodes.add(x.grad_fn)
+            else:
+                leaves.add(id(x))
+            if type(x) is not BatchedTensor:
+                break
+            x = x.value
+    todo = []
+    while isinstance(root, torch.Tensor):
+        if id(root) in leaves or root.grad_fn in nodes:
+            return True
+        if root.grad_fn is not None:
+            todo.append(root.grad_fn)
+        if type(root) is not BatchedTensor:
+            break
+        root = root.value
+    seen = set(todo)
+    acc = _AccumulateGrad
+    while todo:
+        for nxt, _ in todo.pop().next_functions:
+            if nxt is None or nxt in seen:
+                continue
+            if nxt in nodes or (type(nxt) is acc and id(nxt.variable) in leaves):
+                return True
+            seen.add(nxt)
+            todo.append(nxt)
+    return False
+
+
 def connected_outside(pre: bool, grad_on: bool, roots: Sequence[Any],
                       own: Sequence[torch.Tensor]) -> bool:
     """Whether a transform's results must stay differentiable: ``pre`` (``outer_needs_graph``

@@ -6,6 +6,22 @@ an op has no forward-AD formula, or when ``func`` runs a vmap (see Note [autogra
 values] in vmap/dispatch.py), jvp takes the double-vjp route instead:
 ``J t = d/du <J^T u, t>``, two reverse passes, exact.  ``linearize`` uses the same identity so that
 it evaluates ``func`` once and each ``jvp_fn(t)`` is a single backward pass.
+
+Forward-mode AD is switched on for jvp's own dual level whatever the caller's setting (under
+``torch.autograd.forward_ad._set_fwd_grad_enabled(False)``, or inside a custom
+``autograd.Function.forward``, where PyTorch switches it off), and the caller's setting is
+restored on return and on exceptions, as in the reference library.  Only for its own level: the
+double-vjp route leaves the setting alone, so an outer jvp's tangents still stop in a region
+where the user switched forward AD off, even around an inner jvp (the reference library does
+the same).  Known difference: the double-vjp route is reverse mode, so it differentiates its
+own level through such a region, where the reference library's forward mode sees constants.
+
+Inside ``vmap``, tangents of another floating dtype than their primal (a float64 tangent for a
+float32 primal: laplace-torch's GGN products under ``torch.set_default_dtype(torch.float64)``)
+are accepted as the reference library accepts them: the derivative is computed in the primal's
+dtype and each output tangent is promoted with the tangents' dtypes (a float64 tangent gives a
+float64 output tangent, as there).  Outside vmap the mismatch is refused with a clear error,
+as vjp_fn refuses a cotangent of another dtype (the reference accepts both).
 """
 from __future__ import annotations
 
@@ -20,9 +36,9 @@ from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatt
 from ..errors import TransformArgumentError
 from ..vmap.api import ForwardModeAroundVmap
 from .exact_norms import autodiff_level
-from ._differentiable import (connected_outside, detach_tree, flatten_tensor_outputs,
-                              internal_leaf, make_differentiable, outer_needs_graph,
-                              reaches_outside, split_aux)
+from ._differentiable import (connected_outside, depends_on, detach_tree,
+                              flatten_tensor_outputs, internal_leaf, make_differentiable,
+                              outer_needs_graph, reaches_outside, split_aux)
 
 
 def _check_primals_tangents(primals, tangents, api: str):
@@ -60,12 +76,54 @@ def _check_primals_tangents(primals, tangents, api: str):
             raise TransformArgumentError(
                 f"{api}: the tangent for {names[i]} has shape {tuple(t.shape)} but the primal "
                 f"has shape {tuple(p.shape)}; each tangent must have its primal's shape.")
-        if p.dtype != t.dtype:
+        if p.dtype != t.dtype and not (p.is_floating_point() and t.is_floating_point()
+                                       and _under_vmap()):
+            # Under vmap another floating dtype is accepted (see the module docstring); a
+            # complex tangent for a real primal (or the reverse), an integer tangent, or any
+            # other dtype outside vmap is refused.
             names = names or leaf_paths(tuple(primals), "primals")
             raise TransformArgumentError(
                 f"{api}: the tangent for {names[i]} has dtype {t.dtype} but the primal has "
                 f"dtype {p.dtype}; convert the tangent with .to({p.dtype}).")
     return flat_p, flat_t, spec_p
+
+
+def _under_vmap() -> bool:
+    return any(level.kind == "vmap" for level in _levels.stack())
+
+
+def _cast_tangents(flat_p, flat_t):
+    """The tangents in their primals' dtypes, and the dtype the output tangents are promoted
+    with (None when every tangent already had its primal's dtype)."""
+    promote = None
+    cast = []
+    for p, t in zip(flat_p, flat_t):
+        if t.dtype != p.dtype:
+            promote = t.dtype if promote is None else torch.promote_types(promote, t.dtype)
+            t = t.to(p.dtype)
+        cast.append(t)
+    return cast, promote
+
+
+def _promote_tangents(tangents_out, promote):
+    if promote is None:
+        return tangents_out
+    return [t.to(torch.promote_types(t.dtype, promote))
+            if t.is_floating_point() else t for t in tangents_out]
+
+
+class _forward_grad_on:
+    """Forward-mode AD switched on inside, the caller's setting restored on exit."""
+
+    __slots__ = ("prev",)
+
+    def __enter__(self):
+        self.prev = torch._C._is_fwd_grad_enabled()
+        torch._C._set_fwd_grad_enabled(True)
+
+    def __exit__(self, *exc):
+        torch._C._set_fwd_grad_enabled(self.prev)
+        return False
 
 
 def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
@@ -75,12 +133,33 @@ def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
     >>> import torch, functrans
     >>> functrans.jvp(torch.sin, (torch.zeros(2),), (torch.ones(2),))
     (tensor([0., 0.]), tensor([1., 1.]))
+
+    With ``strict=True`` an output that does not depend on the primals (its tangent would be
+    zero) raises instead of getting a zero tangent, as in the reference library.
     """
-    return jvp_impl(func, primals, tangents, has_aux, "jvp")
+    return jvp_impl(func, primals, tangents, has_aux, "jvp", strict=strict)
 
 
-def jvp_impl(func, primals, tangents, has_aux, api):
+def jvp_impl(func, primals, tangents, has_aux, api, strict=False):
     flat_p, flat_t, spec = _check_primals_tangents(primals, tangents, api)
+    flat_t, promote = _cast_tangents(flat_p, flat_t)
+    result = _jvp_routes(func, flat_p, flat_t, spec, has_aux, api, strict)
+    if promote is None:
+        return result
+    flat_to, spec_to = tree_flatten(result[1])
+    return (result[0], tree_unflatten(_promote_tangents(flat_to, promote), spec_to)) + \
+        tuple(result[2:])
+
+
+def _strict_error(api, out, i):
+    path = leaf_paths(out, "output")[i] if not isinstance(out, torch.Tensor) else "the output"
+    return TransformArgumentError(
+        f"{api}(f, primals, tangents, strict=True): {path} of f does not depend on the "
+        "primals, so its tangent would be zero; strict=True refuses that. Pass strict=False "
+        "(the default) to get a zero tangent for it.")
+
+
+def _jvp_routes(func, flat_p, flat_t, spec, has_aux, api, strict):
     # One dual level at a time in the whole process (see _levels.forward_ad_state): a jvp
     # inside another (this thread's or another thread's) takes the exact double-vjp route.
     # So does a jvp whose results something outside differentiates (grad(jvp(f))): reverse
@@ -88,9 +167,9 @@ def jvp_impl(func, primals, tangents, has_aux, api):
     # modifies a saved exp() in place, and plain PyTorch raises there too).
     if _levels.forward_ad_state() != "none" or \
             outer_needs_graph(list(flat_p) + list(flat_t)) or not _levels.claim_forward_ad():
-        return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api)
+        return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api, strict)
     try:
-        result = _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api)
+        result = _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api, strict)
         if result is not None:
             return result
     except ForwardModeAroundVmap:
@@ -100,7 +179,7 @@ def jvp_impl(func, primals, tangents, has_aux, api):
             raise
     finally:
         _levels.release_forward_ad()
-    return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api)
+    return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api, strict)
 
 
 def _no_forward_formula(e: BaseException) -> bool:
@@ -111,7 +190,7 @@ def _no_forward_formula(e: BaseException) -> bool:
         "not support" in msg or "not been implemented" in msg or "must implement" in msg)
 
 
-def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api):
+def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api, strict=False):
     # jvp_impl takes this route only when nothing outside differentiates the results, so
     # they are detached: a graph made inside f (the jacrev in hessian = jacfwd(jacrev(f)))
     # would otherwise stay alive on every result.  The one thing not known before running f
@@ -120,7 +199,7 @@ def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api):
     # formulas cannot always give (see jvp_impl), so this returns None and jvp_impl runs f
     # again on the double-vjp route.
     grad_on = torch.is_grad_enabled()
-    with autodiff_level("jvp"), fwAD.dual_level():
+    with autodiff_level("jvp"), _forward_grad_on(), fwAD.dual_level():
         duals = [fwAD.make_dual(p, t) for p, t in zip(flat_p, flat_t)]
         out = func(*tree_unflatten(duals, spec))
         aux = None
@@ -128,8 +207,10 @@ def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api):
             out, aux = split_aux(out, api)
         flat_out, out_spec = flatten_tensor_outputs(out, api)
         primals_out, tangents_out = [], []
-        for o in flat_out:
+        for i, o in enumerate(flat_out):
             p, t = fwAD.unpack_dual(o)
+            if t is None and strict:
+                raise _strict_error(api, out, i)
             primals_out.append(p)
             tangents_out.append(torch.zeros_like(p) if t is None else t)
         if aux is not None:
@@ -184,12 +265,16 @@ def _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph):
             (lambda g: torch.zeros_like(o) if g is None else g)(next(grads)) for o in flat_out]
 
 
-def _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api):
+def _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api, strict=False):
     needs_graph = outer_needs_graph(list(flat_p) + list(flat_t))
     grad_on = torch.is_grad_enabled()
     with autodiff_level("grad", order=2), torch.enable_grad():
         out, aux, flat_out, out_spec, flat_in, vjps, dummies, keep_graph = \
             _double_vjp_setup(func, flat_p, spec, has_aux, api, needs_graph, grad_on)
+        if strict:
+            for i, o in enumerate(flat_out):
+                if not depends_on(o, flat_in):
+                    raise _strict_error(api, out, i)
         tangents_out = _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph)
     primal_out = out if keep_graph else detach_tree(out)
     result = (primal_out, tree_unflatten(tangents_out, out_spec))
@@ -210,10 +295,12 @@ def linearize(func: Callable, *primals: Any):
 
     def jvp_fn(*tangents):
         _, flat_t, _ = _check_primals_tangents(primals, tangents, "linearize's jvp_fn")
+        flat_t, promote = _cast_tangents(flat_p, flat_t)
         # differentiable when the primal side is, or a tangent is part of a graph
         graph = keep_graph or outer_needs_graph(flat_t)
         with torch.enable_grad():
-            return tree_unflatten(
-                _pushforward(flat_out, flat_in, vjps, dummies, flat_t, graph), out_spec)
+            return tree_unflatten(_promote_tangents(
+                _pushforward(flat_out, flat_in, vjps, dummies, flat_t, graph), promote),
+                out_spec)
 
     return (out if keep_graph else detach_tree(out)), jvp_fn

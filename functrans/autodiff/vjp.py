@@ -6,7 +6,7 @@ cotangents flow through the backward formulas as BatchedTensors.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -15,7 +15,7 @@ from ..errors import TransformArgumentError
 from .exact_norms import autodiff_level
 from ._differentiable import (connected_outside, detach_tree, flatten_tensor_outputs,
                               gradients, make_differentiable, outer_needs_graph,
-                              split_aux)
+                              reaches_outside, split_aux)
 
 
 def vjp(func: Callable, *primals: Any, has_aux: bool = False):
@@ -45,7 +45,11 @@ def vjp_impl(func: Callable, primals: tuple, has_aux: bool, api: str):
     # tensor that requires grad.  Otherwise they do not require grad, as the reference library's.
     aux_flat = tree_flatten(aux)[0] if has_aux else []
     keep_graph = connected_outside(keep_graph, grad_on, flat_out + aux_flat, flat_inputs)
-    vjp_fn = _make_vjp_fn(flat_out, out_spec, flat_inputs, primals, api, keep_graph)
+    # Under torch.no_grad() the results are detached, but the function's graph (recorded under
+    # enable_grad) still reaches an input or closed-over tensor that requires grad: a vjp_fn
+    # called later with grad mode on gives a differentiable result, as the reference's does.
+    connected = keep_graph or (not grad_on and reaches_outside(flat_out, flat_inputs))
+    vjp_fn = _make_vjp_fn(flat_out, out_spec, flat_inputs, primals, api, connected)
     result_out = out if keep_graph else detach_tree(out)
     if has_aux:
         return result_out, vjp_fn, (aux if keep_graph else detach_tree(aux))
@@ -56,7 +60,16 @@ def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec, flat_inputs, primals, a
                  connected: bool):
     _, primals_spec = tree_flatten(primals)
 
-    def vjp_fn(cotangents: Any, *, retain_graph: bool = True, create_graph: bool = None):
+    def vjp_fn(cotangents: Any, retain_graph: Optional[bool] = True,
+               create_graph: Optional[bool] = None):
+        """The gradients w.r.t. the primals for ``cotangents`` (one per output).
+        ``retain_graph`` (default True) keeps the graph for another call (``None``: as
+        ``create_graph``); ``create_graph`` (default: grad mode) makes the result differentiable
+        when something outside can differentiate it, as ``torch.autograd.grad``'s."""
+        for name, v in (("retain_graph", retain_graph), ("create_graph", create_graph)):
+            if v is not None and not isinstance(v, bool):
+                raise TransformArgumentError(
+                    f"{api}: vjp_fn's {name} must be True, False or None, got {v!r}.")
         flat_ct, ct_spec = tree_flatten(cotangents)
         if ct_spec != out_spec:
             raise TransformArgumentError(
@@ -81,11 +94,15 @@ def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec, flat_inputs, primals, a
                     f"{leaf_paths(cotangents, 'cotangents')[i]}) for an output of dtype "
                     f"{o.dtype}; convert it with .to({o.dtype}).")
         if create_graph is None:
-            # The aliases always require grad, so they say nothing: the graph is needed when
-            # the function's graph reaches outside (``connected``), a cotangent requires grad,
-            # or a transform is active around this call.
-            create_graph = torch.is_grad_enabled() and (
-                connected or outer_needs_graph(flat_ct))
+            create_graph = torch.is_grad_enabled()
+        if retain_graph is None:
+            retain_graph = create_graph
+        # The aliases always require grad, so they say nothing: a graph is built only when the
+        # function's graph reaches outside (``connected``), a cotangent requires grad, or a
+        # transform is active around this call (otherwise nothing could differentiate the
+        # result, and the reference's result does not require grad either).
+        create_graph = create_graph and (
+            connected or (torch.is_grad_enabled() and outer_needs_graph(flat_ct)))
         outs, cts = [], []
         for o, c in zip(flat_out, flat_ct):
             if o.requires_grad:

@@ -14,7 +14,11 @@ Ops owned (every overload below that is not CompositeImplicitAutograd):
   as their dim sibling over every logical dim);
 * scans (the output keeps the input's shape): ``cumsum``, ``cumprod`` (and in place),
   ``cummax``, ``cummin``, ``logcumsumexp``, ``_logcumsumexp``, ``_softmax``, ``_log_softmax``;
-* ``_softmax_backward_data``, ``_log_softmax_backward_data``.
+* ``_softmax_backward_data``, ``_log_softmax_backward_data``;
+* ``_is_any_true``, ``_is_all_true``: reduced over the batch too (an UNBATCHED result), as in
+  the reference library, so that ``.item()`` on them works under vmap: autograd's anomaly mode
+  checks every gradient with ``isnan(grad)._is_any_true().item()``, and a NaN in any example
+  must be reported.
 
 Invariants:
 * logical dims are translated to physical ones with ``physical_dim``; the batch dim stays where
@@ -214,6 +218,19 @@ def _median_rule(sibling):
 
 register_batch_rule(aten.median.default, _median_rule(aten.median.dim))
 register_batch_rule(aten.nanmedian.default, _median_rule(aten.nanmedian.dim))
+
+
+def _over_the_batch_rule(op):
+    def rule(info, in_dims, x):
+        """Whether any (all) element of ANY (EVERY) example is true: the op on the whole
+        physical tensor, one unbatched 0-d bool (see the module docstring)."""
+        return op(x), None
+    rule.__name__ = f"over_the_batch_rule[{op}]"
+    return rule
+
+
+register_batch_rule(aten._is_any_true.default, _over_the_batch_rule(aten._is_any_true.default))
+register_batch_rule(aten._is_all_true.default, _over_the_batch_rule(aten._is_all_true.default))
 
 
 @register_batch_rule(aten.count_nonzero.default)
