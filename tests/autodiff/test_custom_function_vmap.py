@@ -363,3 +363,11 @@ def test_grad_of_vmap_through_an_unbatched_output_of_the_vmap_staticmethod():
     g_ref = lambda a, b: tf.vmap(NumpyCubeMul.apply, in_dims=(0, None))(a, b)[1].pow(2).sum()
     assert_same(ft.grad(g, argnums=1)(Xb, y), tf.grad(g_ref, argnums=1)(Xb, y))
     assert_same(ft.grad(g, argnums=1)(Xb, y), 4 * 4 * 2 * y)
+
+
+def test_old_style_function_under_a_transform_outside_the_vmap_is_refused_clearly():
+    X = torch.randn(4, 3)
+    with pytest.raises(UnsupportedUnderVmap, match="vmap staticmethod or generate_vmap_rule"):
+        ft.grad(lambda a: ft.vmap(OldStyle.apply)(a).sum())(X)
+    # the new-style equivalent is differentiated from outside the vmap
+    assert_same(ft.grad(lambda a: ft.vmap(NumpySin.apply)(a).sum())(X), X.cos())
