@@ -36,7 +36,8 @@ the ops inside the forward).  So ``install()`` (run once when functrans is impor
 ``apply`` unless an argument is a ``BatchedTensor`` of a live level.  It is installed for good,
 not only while a vmap runs, because ``vmap(MyFn.apply)`` binds the method before the vmap starts.
 Its cost outside vmap is a scan of the arguments' types (about 0.4 us on the 4-15 us of an
-``apply``, measured on CPU); no ordinary op pays anything.  ``uninstall()`` restores PyTorch's method.
+``apply``, measured on CPU); no ordinary op pays anything.  ``uninstall()`` restores PyTorch's
+method.
 """
 from __future__ import annotations
 

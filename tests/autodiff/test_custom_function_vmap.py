@@ -215,7 +215,8 @@ def test_vmap_of_grad_jvp_jacrev_jacfwd(f):
 def test_transforms_around_the_vmap_staticmethod():
     X = torch.randn(5, 3)
     f = NumpySin.apply
-    assert_same(ft.grad(lambda a: ft.vmap(f)(a).sum())(X), tf.grad(lambda a: tf.vmap(f)(a).sum())(X))
+    assert_same(ft.grad(lambda a: ft.vmap(f)(a).sum())(X),
+                tf.grad(lambda a: tf.vmap(f)(a).sum())(X))
     assert_same(ft.jacrev(ft.vmap(f))(X[0]), tf.jacrev(tf.vmap(f))(X[0]))
     assert_same(ft.jacfwd(ft.vmap(f))(X[0]), tf.jacfwd(tf.vmap(f))(X[0]))
     assert_same(ft.jacrev(f)(X[0]), tf.jacrev(f)(X[0]))
@@ -281,7 +282,8 @@ class OldStyle(torch.autograd.Function):
 
 def test_clear_errors_where_torch_func_raises():
     X = torch.randn(4, 3)
-    with pytest.raises(UnsupportedUnderVmap, match="NoRule has no vmap support.*generate_vmap_rule"):
+    with pytest.raises(UnsupportedUnderVmap,
+                       match="NoRule has no vmap support.*generate_vmap_rule"):
         ft.vmap(NoRule.apply)(X)
     with pytest.raises(RuntimeError, match="does not have vmap support"):
         tf.vmap(NoRule.apply)(X)
@@ -341,7 +343,8 @@ def test_grad_of_vmap_through_generate_vmap_rule(in_dims, k):
 def test_transforms_around_generate_vmap_rule():
     X = torch.randn(5, 3)
     f = SinGenerated.apply
-    assert_same(ft.grad(lambda a: ft.vmap(f)(a).sum())(X), tf.grad(lambda a: tf.vmap(f)(a).sum())(X))
+    assert_same(ft.grad(lambda a: ft.vmap(f)(a).sum())(X),
+                tf.grad(lambda a: tf.vmap(f)(a).sum())(X))
     assert_same(ft.jacrev(ft.vmap(f))(X[:2]), tf.jacrev(tf.vmap(f))(X[:2]))
     assert_same(ft.grad(lambda a: ft.vmap(ft.vmap(f))(a).sum())(X),
                 tf.grad(lambda a: tf.vmap(tf.vmap(f))(a).sum())(X))
