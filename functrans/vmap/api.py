@@ -295,3 +295,8 @@ def _run_chunked(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_
         else:
             merged.append(torch.cat(parts, d))
     return tree_unflatten(merged, out_spec)
+
+
+from . import custom_function as _custom_function  # noqa: E402
+
+_custom_function.install()  # Function.apply honours vmap staticmethods (see that module)

@@ -255,7 +255,9 @@ def _refuse_custom_function_under_outer_grad(args, level) -> None:
     through it (Note [autograd on physical values]); that transform would record none of the
     forward's ops and never call the Function's backward: a silently wrong gradient.  (A
     wrapper that requires grad itself belongs to a transform inside the vmap, which records the
-    Function's node on the wrappers: that case is fine.)"""
+    Function's node on the wrappers: that case is fine.)  New-style Functions with a vmap
+    staticmethod or ``generate_vmap_rule`` never get here under an outer transform: see
+    vmap/custom_function.py."""
     for a in args:
         if type(a) is _BT and a.level is level and a.value.requires_grad and \
                 not a.requires_grad:
@@ -265,8 +267,11 @@ def _refuse_custom_function_under_outer_grad(args, level) -> None:
                 "or .backward() on its result). That transform sees the vmap's physical ops, "
                 "and a Function's forward runs without recording them, so its backward would "
                 "never be called and the gradient would be silently wrong. Put the gradient "
-                "transform inside the vmap (vmap(grad(f)) instead of grad(vmap(f))), or write "
-                "the function with ordinary torch operations.")
+                "transform inside the vmap (vmap(grad(f)) instead of grad(vmap(f))), write "
+                "the function with ordinary torch operations, or make the Function new-style "
+                "(forward without ctx, a setup_context staticmethod) with a vmap staticmethod "
+                "or generate_vmap_rule = True, which functrans differentiates from outside a "
+                "vmap.")
 
 
 def _resolve(op, meta: _OpMeta) -> None:
