@@ -56,8 +56,8 @@ def _rows(x, x_bdim, target, t_bdim, size):
     and a function taking [B, M, C] back to the input's physical layout (batch first)."""
     X = ensure_bdim_front(x, x_bdim, size)
     T = ensure_bdim_front(target, t_bdim, size)
-    if X.dim() == 2:    # one row: [C]
-        return X.unsqueeze(1), T.unsqueeze(1), (), lambda r: r.squeeze(1)
+    if X.dim() == 2:    # one row: [C], with a 0-d or a (1,) target; the loss is 0-d
+        return X.unsqueeze(1), T.reshape(size, 1), (), lambda r: r.squeeze(1)
     if X.dim() == 3:    # [N, C]
         return X, T, T.shape[1:], lambda r: r
     if X.dim() == 5:    # nll_loss2d: [N, C, H, W]
@@ -197,10 +197,20 @@ def _margin_rows(info, x, x_bdim):
     return X, X.reshape(-1, X.shape[-1]), n_rows
 
 
-def _per_row_losses(losses, X, reduction):
+def _per_row_losses(losses, X, reduction, rows_shape):
+    """Row losses ([B*N]) as each example's: reduced, or with reduction='none' shaped
+    ``rows_shape`` per example (the kernels' own rule: multi_margin gives ``[N]`` whenever the
+    target has a dim, even for a ``[C]`` or 0-d input with a ``(1,)`` target, and ``()`` for a
+    0-d target, even for a ``[1, C]`` input; multilabel_margin gives ``[N]`` for a 2-D target
+    and ``()`` otherwise)."""
     B = X.shape[0]
-    losses = losses.reshape(B, -1) if X.dim() == 3 else losses.reshape(B)
-    return _per_example(losses, reduction)
+    if reduction == _NONE:
+        return losses.reshape((B,) + tuple(rows_shape))
+    return _per_example(losses.reshape(B, -1), reduction)
+
+
+def _logical_dim(t, bdim):
+    return t.dim() - (bdim is not None)
 
 
 def _row_grads(info, grad, g_bdim, X, n_rows, reduction):
@@ -231,7 +241,8 @@ def multi_margin_loss_rule(info, in_dims, x, target, p=1, margin=1, weight=None,
                                             weight if w_bdim is None else None, _NONE)
     if w_bdim is not None:
         losses = losses * _class_weights(info, weight, w_bdim, T, n_rows)
-    return _per_row_losses(losses, X, reduction), 0
+    rows_shape = (n_rows,) if _logical_dim(target, in_dims[1]) > 0 else ()
+    return _per_row_losses(losses, X, reduction, rows_shape), 0
 
 
 @register_batch_rule(aten.multi_margin_loss_backward.default)
@@ -253,7 +264,10 @@ def multilabel_margin_loss_forward_rule(info, in_dims, x, target, reduction):
     X, rows, n_rows = _margin_rows(info, x, in_dims[0])
     T = ensure_bdim_front(target, in_dims[1], info.batch_size).reshape(rows.shape)
     losses, is_target = aten.multilabel_margin_loss_forward.default(rows, T, _NONE)
-    return (_per_row_losses(losses, X, reduction), is_target.reshape(X.shape)), (0, 0)
+    t_shape = ensure_bdim_front(target, in_dims[1], info.batch_size).shape
+    rows_shape = (n_rows,) if len(t_shape) > 2 else ()
+    return (_per_row_losses(losses, X, reduction, rows_shape), is_target.reshape(t_shape)), \
+        (0, 0)
 
 
 @register_batch_rule(aten.multilabel_margin_loss_backward.default)
