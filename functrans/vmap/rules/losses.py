@@ -279,3 +279,90 @@ def multilabel_margin_loss_backward_rule(info, in_dims, grad, x, target, reducti
     G = _row_grads(info, grad, in_dims[0], X, n_rows, reduction)
     out = aten.multilabel_margin_loss_backward.default(G, rows, T, _NONE, is_t)
     return out.reshape(X.shape), 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunked path of F.linear_cross_entropy (torch >= 2.13: custom ops in the torch_nn
+# namespace, defined when torch.nn.modules.linear_cross_entropy is imported).  Each row's loss
+# (and, for a reduced loss, each row's input gradient) depends on its own row only, so with
+# the linear weight, bias and class weight unbatched the batch folds into the rows: one call
+# on [B*N, D] rows.  A batched linear weight / bias / class weight, or a requested gradient of
+# the linear weight or bias (the op sums it over all rows, mixing examples), is declined: the
+# loop runs the op per example.
+
+def _torch_nn_op(name):
+    try:
+        import torch.nn.modules.linear_cross_entropy  # noqa: F401  (defines the torch_nn ops)
+    except ImportError:
+        return None
+    packet = getattr(getattr(torch.ops, "torch_nn"), name, None) if hasattr(torch.ops, "torch_nn") \
+        else None
+    return getattr(packet, "default", None) if packet is not None else None
+
+
+def _lce_rows(info, in_dims, x, target):
+    """Input rows [B*N, D] and targets [B*N] of a [N, D] input per example, and B, N."""
+    B = info.batch_size
+    X = ensure_bdim_front(x, in_dims[0], B)
+    T = ensure_bdim_front(target, in_dims[2], B)
+    if X.dim() != 3 or T.dim() != 2:
+        raise Decline()
+    return X.reshape(-1, X.shape[-1]), T.reshape(-1), B, X.shape[1]
+
+
+_LCE_NONE = _torch_nn_op("_linear_cross_entropy_batch_chunked_no_reduction")
+_LCE = _torch_nn_op("_linear_cross_entropy_batch_chunked")
+
+
+def _lce_no_reduction_rule(info, in_dims, x, linear_weight, target, linear_bias, weight,
+                           ignore_index, batch_chunk_size, acc_policy, acc_dtype):
+    if any(d is not None for d in (in_dims[1], in_dims[3], in_dims[4])):
+        raise Decline()
+    rows, T, B, N = _lce_rows(info, in_dims, x, target)
+    losses = _LCE_NONE(rows, linear_weight, T, linear_bias, weight, ignore_index,
+                       batch_chunk_size, acc_policy, acc_dtype)
+    return losses.reshape(B, N), 0
+
+
+def _lce_reduced_rule(info, in_dims, x, linear_weight, target, linear_bias, weight, reduction,
+                      ignore_index, label_smoothing, batch_chunk_size, acc_policy, acc_dtype,
+                      allow_retain_graph, compute_input_grad, compute_linear_weight_grad,
+                      compute_linear_bias_grad):
+    if any(d is not None for d in (in_dims[1], in_dims[3], in_dims[4])) or \
+            compute_linear_weight_grad or compute_linear_bias_grad or label_smoothing != 0 or \
+            reduction not in ("sum", "mean"):
+        raise Decline()
+    rows, T, B, N = _lce_rows(info, in_dims, x, target)
+    # The physical operands are detached: this call only computes values (autograd above the
+    # dispatcher owns the derivative), and the op refuses a requires_grad input whose
+    # gradient it was not asked to compute.
+    rows, lw = rows.detach(), linear_weight.detach()
+    lb = None if linear_bias is None else linear_bias.detach()
+    losses = _LCE_NONE(rows, lw, T, lb, weight, ignore_index, batch_chunk_size, acc_policy,
+                       acc_dtype).reshape(B, N)
+    loss = losses.sum(1)
+    if reduction == "mean":   # each example's own total weight of its non-ignored targets
+        ignored = T == ignore_index
+        w = torch.ones(T.shape, dtype=losses.dtype, device=T.device) if weight is None else \
+            weight.index_select(0, T.masked_fill(ignored, 0)).to(losses.dtype)
+        total = w.masked_fill(ignored, 0).reshape(B, N).sum(1)
+        loss = loss / total
+    loss = loss.to(x.dtype)
+    empty = lambda *shape: torch.empty(shape, dtype=x.dtype, device=x.device)  # noqa: E731
+    if compute_input_grad:
+        grads = _LCE(rows, lw, T, lb, weight, "sum", ignore_index, 0.0, batch_chunk_size,
+                     acc_policy, acc_dtype, True, True, False, False)[1].reshape(B, N, -1)
+        if reduction == "mean":
+            grads = grads / total.reshape(B, 1, 1).to(grads.dtype)
+        gi = grads
+    else:
+        gi = empty(B, 0, 0)
+    gw = empty(0, 0)
+    gb = empty(0)
+    return (loss, gi, gw, gb), (0, 0, None, None)
+
+
+if _LCE_NONE is not None:
+    register_batch_rule(_LCE_NONE, _lce_no_reduction_rule)
+if _LCE is not None:
+    register_batch_rule(_LCE, _lce_reduced_rule)

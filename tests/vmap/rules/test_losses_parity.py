@@ -196,3 +196,53 @@ def test_one_hot_with_num_classes_matches_the_loop(in_dims):
 def test_one_hot_without_num_classes_is_refused_clearly():
     with pytest.raises(UnsupportedUnderVmap, match="converted to a Python number"):
         ft.vmap(F.one_hot)(classes(6, 4, 3))
+
+
+_LCE_OPTIONS = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+needs_chunked_lce = pytest.mark.skipif(
+    _LCE_OPTIONS is None, reason="F.linear_cross_entropy's chunked path is new in torch 2.13")
+
+
+@needs_chunked_lce
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("extra", ["plain", "ignore_index", "weight", "bias"])
+def test_chunked_linear_cross_entropy_matches_the_loop(reduction, extra):
+    """The torch_nn chunked ops fold the batch into their rows (strict: no loop), with the
+    linear weight shared; a per-example linear weight is declined to the loop."""
+    kw = {"plain": {}, "ignore_index": {"ignore_index": 1}, "weight": {"weight": W5},
+          "bias": {"linear_bias": randn(5, seed=4)}}[extra]
+    opts = _LCE_OPTIONS(batch_chunk_size=2, allow_retain_graph=reduction != "none")
+    lw = randn(5, 3, seed=3)
+    f = lambda x, t: F.linear_cross_entropy(x, lw, t, reduction=reduction, options=opts, **kw)
+    x, t = randn(4, 3), classes(5, 4, seed=2)
+    for in_dims in [(0, 0), (-1, None), (None, 0)]:
+        check_vmap(f, [x, t], in_dims)
+        if reduction != "none":
+            check_vmap(ft.grad(lambda a, b: f(a, b)), [x, t], in_dims)
+    g = lambda x, w, t: F.linear_cross_entropy(x, w, t, reduction=reduction, options=opts, **kw)
+    check_vmap(g, [x, lw, t], (0, 0, 0), strict=False)
+
+
+@needs_chunked_lce
+def test_chunked_linear_cross_entropy_per_sample_gradients():
+    """Per-sample gradients of the shared linear weight (the op sums that gradient over its
+    rows, so the rule declines and the loop runs it per example; torch.func cannot run this
+    op under grad at all: its autograd.Function lacks setup_context)."""
+    opts = _LCE_OPTIONS(batch_chunk_size=2, allow_retain_graph=True)
+    lw, x, t = randn(5, 3, seed=3), randn(4, 3), classes(5, 4)
+    loss = lambda w, x, t: F.linear_cross_entropy(x, w, t, options=opts, ignore_index=2)
+    check_vmap(ft.grad(loss), [lw, x, t], (None, 0, 0), strict=False)
+    check_vmap(ft.grad(loss, argnums=(0, 1)), [lw, x, t], (None, 0, 0), strict=False)
+
+
+@needs_chunked_lce
+def test_chunked_linear_cross_entropy_none_backward_is_refused_clearly():
+    """reduction='none' recomputes its gradients in a Python backward that accumulates into
+    fresh torch.zeros buffers: with a per-example cotangent those are in-place writes of
+    batched values into unbatched tensors, refused with functrans's clear error (torch.func
+    refuses it too).  The forward batches (test above)."""
+    opts = _LCE_OPTIONS(batch_chunk_size=2)
+    lw = randn(5, 3, seed=3)
+    f = lambda x, t: F.linear_cross_entropy(x, lw, t, reduction="none", options=opts).sum()
+    with pytest.raises(UnsupportedUnderVmap, match="in-place operation"):
+        ft.vmap(ft.grad(f))(randn(3, 4, 3), classes(5, 3, 4))
