@@ -1,7 +1,8 @@
 """Losses: the nll family (nll_loss_forward/backward, nll_loss2d_forward/backward: what
 ``F.nll_loss`` and ``F.cross_entropy`` reach), the elementwise losses (mse, huber, smooth_l1,
 soft_margin, binary_cross_entropy, binary_cross_entropy_with_logits) with their backward
-kernels, and the margin losses (multi_margin, multilabel_margin) with theirs.
+kernels, the margin losses (multi_margin, multilabel_margin) with theirs, and the chunked path
+of ``F.linear_cross_entropy`` (the torch_nn custom ops of torch >= 2.13).
 
 Invariants:
 * a loss's reduction is per example: every kernel runs with reduction='none' on the whole
@@ -13,7 +14,15 @@ Invariants:
 * nll: each example's targets are gathered in one physical call; ignored targets
   (``ignore_index``) weigh zero; a batched class weight is gathered per example;
 * multi_margin: a class weight only scales a row's loss by w[target], so a batched one is
-  gathered per row and the kernels run unweighted.
+  gathered per row and the kernels run unweighted;
+* with reduction='none' each example's loss has exactly eager's shape, which follows the
+  TARGET's rank, not the input's: multi_margin gives ``[N]`` when the target has a dim (so a
+  ``[C]`` input with a ``(1,)`` target gives ``(1,)``) and ``()`` for a 0-d target;
+  multilabel_margin gives ``[N]`` only for a 2-D target; nll of a ``[C]`` input gives ``()``
+  for a 0-d or a ``(1,)`` target (tests/vmap/rules/test_losses_parity.py checks every loss);
+* chunked linear_cross_entropy: each row's loss and input gradient depend on its row only, so
+  the batch folds into the rows when everything per class (linear weight, bias, class weight)
+  is shared; per-example weight/bias gradients or batched per-class operands go to the loop.
 """
 from __future__ import annotations
 
