@@ -209,12 +209,13 @@ needs_chunked_lce = pytest.mark.skipif(
 
 @needs_chunked_lce
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("extra", ["plain", "ignore_index", "weight", "bias"])
+@pytest.mark.parametrize("extra", ["plain", "ignore_index", "weight", "bias", "weight_ignore"])
 def test_chunked_linear_cross_entropy_matches_the_loop(reduction, extra):
     """The torch_nn chunked ops fold the batch into their rows (strict: no loop), with the
     linear weight shared; a per-example linear weight is declined to the loop."""
     kw = {"plain": {}, "ignore_index": {"ignore_index": 1}, "weight": {"weight": W5},
-          "bias": {"linear_bias": randn(5, seed=4)}}[extra]
+          "bias": {"linear_bias": randn(5, seed=4)},
+          "weight_ignore": {"weight": W5, "ignore_index": 3}}[extra]
     opts = _LCE_OPTIONS(batch_chunk_size=2, allow_retain_graph=reduction != "none")
     lw = randn(5, 3, seed=3)
     f = lambda x, t: F.linear_cross_entropy(x, lw, t, reduction=reduction, options=opts, **kw)
