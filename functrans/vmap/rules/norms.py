@@ -20,9 +20,10 @@ Invariants:
   The ``*_functional`` variants return new statistics instead, so they need no such check.
 * kernels that read an operand as contiguous memory without checking (group norm's weight,
   bias, grad, mean, rstd; layer norm backward's mean, rstd) get contiguous physical operands.
-  A direct group norm call whose per-example operand is not contiguous gets a view of the
-  memory the eager kernel reads for each example (``_as_eager_reads``), so it matches the
-  per-example eager calls; layer norm backward declines one (the loop reproduces eager).
+  A direct group norm call whose per-example operand is not contiguous gets, on the CPU, a
+  view of the memory the eager kernel reads for each example (``_as_eager_reads``), so it
+  matches the per-example eager calls; elsewhere, and in layer norm backward, such a call is
+  declined (the loop reproduces eager).
   Statistics are returned contiguous per example.
 * an opaque cuDNN ``reserve`` output is passed through unbatched; a non-empty one reaching
   ``batch_norm_backward`` is declined (it describes a call this rule did not make).
@@ -177,14 +178,16 @@ def _as_eager_reads(v, bdim):
     direct call may not).  A non-contiguous operand is replaced by a view of exactly that
     memory (per example: the slice's storage offset, contiguous strides), so the batched call
     computes what the per-example eager calls compute.  Declined when that memory is not
-    inside the operand's storage (the eager read would run past it) or the operand is a
-    wrapper of a lower vmap level (it has no storage to view)."""
+    inside the operand's storage (the eager read would run past it), the operand is a
+    wrapper of a lower vmap level (it has no storage to view), or it is not on the CPU (the
+    contiguous reads were verified against the CPU kernels only; elsewhere the loop runs the
+    device's own kernel per example)."""
     if v is None:
         return v, bdim
     example = v if bdim is None else v.select(bdim, 0)
     if example.is_contiguous():
         return v, bdim
-    if isinstance(v, BatchedTensor):
+    if isinstance(v, BatchedTensor) or v.device.type != "cpu":
         raise Decline()
     shape = tuple(example.shape)
     strides = tuple(torch.empty(shape, device="meta").stride())
