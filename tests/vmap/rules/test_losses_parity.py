@@ -47,6 +47,8 @@ CASES = {
     "nll_2d_weight_ignore": (lambda r: lambda x, t: F.nll_loss(x, t, weight=W5, reduction=r,
                                                               ignore_index=2),
                              [randn(4, 5), classes(5, 4)]),
+    "nll_1d_batched_weight": (lambda r: lambda x, t, w: F.nll_loss(x, t, weight=w, reduction=r),
+                              [randn(5), classes(5), W5]),
     "nll_one_row": (lambda r: lambda x, t: F.nll_loss(x, t, reduction=r),
                     [randn(1, 5), classes(5, 1)]),
     "nll_one_class": (lambda r: lambda x, t: F.nll_loss(x, t, weight=W1, reduction=r),
@@ -99,6 +101,10 @@ CASES = {
     "multi_margin_one_class": (lambda r: lambda x, t: F.multi_margin_loss(x, t, weight=W1,
                                                                          reduction=r),
                                [randn(3, 1), classes(1, 3)]),
+    "multi_margin_1d_batched_weight": (lambda r: lambda x, t, w: F.multi_margin_loss(
+        x, t, weight=w, reduction=r), [randn(5), classes(5, 1), W5]),
+    "multi_margin_rows_batched_weight_p2": (lambda r: lambda x, t, w: F.multi_margin_loss(
+        x, t, p=2, weight=w, reduction=r), [randn(3, 5), classes(5, 3), W5]),
     "multi_margin_1elem_input": (lambda r: lambda x, t: F.multi_margin_loss(x, t, reduction=r),
                                  [randn(1), classes(1, 1)]),
     "multilabel_margin_1d": (lambda r: lambda x, t: F.multilabel_margin_loss(x, t, reduction=r),
