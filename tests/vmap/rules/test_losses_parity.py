@@ -77,10 +77,10 @@ CASES = {
     "l1_0d": (lambda r: lambda x, t: F.l1_loss(x, t, reduction=r), [randn(), randn(seed=1)]),
     "soft_margin_1elem": (lambda r: lambda x, t: F.soft_margin_loss(x, t.sign(), reduction=r),
                           [randn(1), randn(1, seed=1)]),
-    "bce_weight": (lambda r: lambda x, t: F.binary_cross_entropy(x.sigmoid(), t.clamp(0, 1), weight=W5,
-                                                                 reduction=r),
-                   [randn(2, 5), rand(2, 5, seed=1)]),
-    "bce_0d": (lambda r: lambda x, t: F.binary_cross_entropy(x.sigmoid(), t.clamp(0, 1), reduction=r),
+    "bce_weight": (lambda r: lambda x, t: F.binary_cross_entropy(
+        x.sigmoid(), t.clamp(0, 1), weight=W5, reduction=r), [randn(2, 5), rand(2, 5, seed=1)]),
+    "bce_0d": (lambda r: lambda x, t: F.binary_cross_entropy(x.sigmoid(), t.clamp(0, 1),
+                                                             reduction=r),
                [randn(), rand(seed=1)]),
     "bce_logits_pos_weight": (lambda r: lambda x, t: F.binary_cross_entropy_with_logits(
         x, t, pos_weight=W1, reduction=r), [randn(3, 1), rand(3, 1, seed=1)]),
