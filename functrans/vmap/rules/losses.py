@@ -96,7 +96,10 @@ def _nll_forward(info, in_dims, x, target, weight, reduction, ignore_index):
     losses = -X.gather(2, safe.unsqueeze(2)).squeeze(2) * w          # [B, M]
     total = w.sum(1)
     if reduction == _NONE:
-        return (losses.reshape((B,) + tuple(loss_shape)), torch.zeros_like(total)), (0, 0)
+        # Eager gives a [C] input's 'none' loss its total weight (the kernel takes the
+        # reducing path for one row), and 0 for any other input.
+        total = total if len(loss_shape) == 0 else torch.zeros_like(total)
+        return (losses.reshape((B,) + tuple(loss_shape)), total), (0, 0)
     summed = losses.sum(1)
     return (summed if reduction == _SUM else summed / total, total), (0, 0)
 

@@ -257,3 +257,35 @@ def test_chunked_linear_cross_entropy_none_backward_is_refused_clearly():
     f = lambda x, t: F.linear_cross_entropy(x, lw, t, reduction="none", options=opts).sum()
     with pytest.raises(UnsupportedUnderVmap, match="in-place operation"):
         ft.vmap(ft.grad(f))(randn(3, 4, 3), classes(5, 3, 4))
+
+
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("shapes", [((5,), ()), ((5,), (1,)), ((3, 5), (3,)), ((1, 5), (1,))],
+                         ids=["1d-0d", "1d-1", "2d", "one-row"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_aten_nll_loss_forward_both_outputs(reduction, shapes, weighted):
+    """Both outputs of the kernel itself, as eager: the loss and total_weight (which for a
+    [C] input with reduction='none' is w[target], and 0 for any other input)."""
+    xs, ts = shapes
+    w = W5 if weighted else None
+    f = lambda x, t: aten.nll_loss_forward(x, t, w, reduction, 1)  # noqa: E731
+    for in_dims in [(0, 0), (-1, None), (None, 0)]:
+        check_vmap(f, [randn(*xs).log_softmax(-1), classes(5, *ts)], in_dims)
+    g = lambda x, t: aten.nll_loss2d_forward(x, t, w, reduction, 1)  # noqa: E731
+    check_vmap(g, [randn(2, 5, 3, 2), classes(5, 2, 3, 2)], (0, 0))
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("shapes", [((5,), (5,)), ((), (1,)), ((1,), ()), ((2, 4), (2, 4))],
+                         ids=["1d", "0d-1", "1-0d", "2d"])
+def test_aten_multilabel_margin_loss_forward_both_outputs(reduction, shapes):
+    """The loss and is_target, whose shape is the TARGET's (a 0-d input with a (1,) target
+    gives a (1,) is_target)."""
+    xs, ts = shapes
+    C = xs[-1] if xs else 1
+    f = lambda x, t: aten.multilabel_margin_loss_forward(x, t, reduction)  # noqa: E731
+    for in_dims in [(0, 0), (-1, None), (None, 0)]:
+        check_vmap(f, [randn(*xs), classes(C, *ts, lo=-1)], in_dims)
