@@ -300,16 +300,16 @@ def multilabel_margin_loss_backward_rule(info, in_dims, grad, x, target, reducti
 # the linear weight, bias and class weight unbatched the batch folds into the rows: one call
 # on [B*N, D] rows.  A batched linear weight / bias / class weight, or a requested gradient of
 # the linear weight or bias (the op sums it over all rows, mixing examples), is declined: the
-# loop runs the op per example.
+# loop runs the op per example, which keeps the chunked path's point (the [N, C] logits are
+# never materialised), where a vectorised form would build [B, N, C] logits.
 
 def _torch_nn_op(name):
+    """``torch.ops.torch_nn.<name>.default``, or None where this torch has no such op."""
     try:
         import torch.nn.modules.linear_cross_entropy  # noqa: F401  (defines the torch_nn ops)
-    except ImportError:
+        return getattr(torch.ops.torch_nn, name).default
+    except (ImportError, AttributeError):
         return None
-    packet = getattr(getattr(torch.ops, "torch_nn"), name, None) if hasattr(torch.ops, "torch_nn") \
-        else None
-    return getattr(packet, "default", None) if packet is not None else None
 
 
 def _lce_rows(info, in_dims, x, target):
