@@ -24,8 +24,6 @@ _RESIZE = ("resizes a tensor's storage in place: the examples of a batched tenso
            "storage, so there is no batched resize; the loop resizes each example's slice")
 _GPU_ONLY = ("CUDA/ROCm-only kernel; this machine has no GPU to test a rule against, so the "
              "loop (correct, slow) runs it")
-_LCE = ("the chunked path of F.linear_cross_entropy (a private torch_nn op, new in torch 2.13) "
-        "has no rule yet; its unchunked path is batched by rules")
 
 _DYNAMIC = ("its output shape depends on the values of its input, so no vectorised rule can "
             "exist; each example runs on its own, and the results are stacked when their "
@@ -49,8 +47,6 @@ NO_RULE: Dict[str, str] = {
     "aten._cudnn_rnn.default": _GPU_ONLY,
     "aten._cudnn_rnn_backward.default": _GPU_ONLY,
     "aten.miopen_batch_norm.default": _GPU_ONLY,
-    "torch_nn._linear_cross_entropy_batch_chunked.default": _LCE,
-    "torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default": _LCE,
 }
 
 

@@ -1,7 +1,8 @@
 """Losses: the nll family (nll_loss_forward/backward, nll_loss2d_forward/backward: what
 ``F.nll_loss`` and ``F.cross_entropy`` reach), the elementwise losses (mse, huber, smooth_l1,
 soft_margin, binary_cross_entropy, binary_cross_entropy_with_logits) with their backward
-kernels, and the margin losses (multi_margin, multilabel_margin) with theirs.
+kernels, the margin losses (multi_margin, multilabel_margin) with theirs, and the chunked path
+of ``F.linear_cross_entropy`` (the torch_nn custom ops of torch >= 2.13).
 
 Invariants:
 * a loss's reduction is per example: every kernel runs with reduction='none' on the whole
@@ -13,7 +14,15 @@ Invariants:
 * nll: each example's targets are gathered in one physical call; ignored targets
   (``ignore_index``) weigh zero; a batched class weight is gathered per example;
 * multi_margin: a class weight only scales a row's loss by w[target], so a batched one is
-  gathered per row and the kernels run unweighted.
+  gathered per row and the kernels run unweighted;
+* with reduction='none' each example's loss has exactly eager's shape, which follows the
+  TARGET's rank, not the input's: multi_margin gives ``[N]`` when the target has a dim (so a
+  ``[C]`` input with a ``(1,)`` target gives ``(1,)``) and ``()`` for a 0-d target;
+  multilabel_margin gives ``[N]`` only for a 2-D target; nll of a ``[C]`` input gives ``()``
+  for a 0-d or a ``(1,)`` target (tests/vmap/rules/test_losses_parity.py checks every loss);
+* chunked linear_cross_entropy: each row's loss and input gradient depend on its row only, so
+  the batch folds into the rows when everything per class (linear weight, bias, class weight)
+  is shared; per-example weight/bias gradients or batched per-class operands go to the loop.
 """
 from __future__ import annotations
 
@@ -56,8 +65,8 @@ def _rows(x, x_bdim, target, t_bdim, size):
     and a function taking [B, M, C] back to the input's physical layout (batch first)."""
     X = ensure_bdim_front(x, x_bdim, size)
     T = ensure_bdim_front(target, t_bdim, size)
-    if X.dim() == 2:    # one row: [C]
-        return X.unsqueeze(1), T.unsqueeze(1), (), lambda r: r.squeeze(1)
+    if X.dim() == 2:    # one row: [C], with a 0-d or a (1,) target; the loss is 0-d
+        return X.unsqueeze(1), T.reshape(size, 1), (), lambda r: r.squeeze(1)
     if X.dim() == 3:    # [N, C]
         return X, T, T.shape[1:], lambda r: r
     if X.dim() == 5:    # nll_loss2d: [N, C, H, W]
@@ -87,7 +96,10 @@ def _nll_forward(info, in_dims, x, target, weight, reduction, ignore_index):
     losses = -X.gather(2, safe.unsqueeze(2)).squeeze(2) * w          # [B, M]
     total = w.sum(1)
     if reduction == _NONE:
-        return (losses.reshape((B,) + tuple(loss_shape)), torch.zeros_like(total)), (0, 0)
+        # Eager gives a [C] input's 'none' loss its total weight (the kernel takes the
+        # reducing path for one row), and 0 for any other input.
+        total = total if len(loss_shape) == 0 else torch.zeros_like(total)
+        return (losses.reshape((B,) + tuple(loss_shape)), total), (0, 0)
     summed = losses.sum(1)
     return (summed if reduction == _SUM else summed / total, total), (0, 0)
 
@@ -197,10 +209,20 @@ def _margin_rows(info, x, x_bdim):
     return X, X.reshape(-1, X.shape[-1]), n_rows
 
 
-def _per_row_losses(losses, X, reduction):
+def _per_row_losses(losses, X, reduction, rows_shape):
+    """Row losses ([B*N]) as each example's: reduced, or with reduction='none' shaped
+    ``rows_shape`` per example (the kernels' own rule: multi_margin gives ``[N]`` whenever the
+    target has a dim, even for a ``[C]`` or 0-d input with a ``(1,)`` target, and ``()`` for a
+    0-d target, even for a ``[1, C]`` input; multilabel_margin gives ``[N]`` for a 2-D target
+    and ``()`` otherwise)."""
     B = X.shape[0]
-    losses = losses.reshape(B, -1) if X.dim() == 3 else losses.reshape(B)
-    return _per_example(losses, reduction)
+    if reduction == _NONE:
+        return losses.reshape((B,) + tuple(rows_shape))
+    return _per_example(losses.reshape(B, -1), reduction)
+
+
+def _logical_dim(t, bdim):
+    return t.dim() - (bdim is not None)
 
 
 def _row_grads(info, grad, g_bdim, X, n_rows, reduction):
@@ -231,7 +253,8 @@ def multi_margin_loss_rule(info, in_dims, x, target, p=1, margin=1, weight=None,
                                             weight if w_bdim is None else None, _NONE)
     if w_bdim is not None:
         losses = losses * _class_weights(info, weight, w_bdim, T, n_rows)
-    return _per_row_losses(losses, X, reduction), 0
+    rows_shape = (n_rows,) if _logical_dim(target, in_dims[1]) > 0 else ()
+    return _per_row_losses(losses, X, reduction, rows_shape), 0
 
 
 @register_batch_rule(aten.multi_margin_loss_backward.default)
@@ -253,7 +276,10 @@ def multilabel_margin_loss_forward_rule(info, in_dims, x, target, reduction):
     X, rows, n_rows = _margin_rows(info, x, in_dims[0])
     T = ensure_bdim_front(target, in_dims[1], info.batch_size).reshape(rows.shape)
     losses, is_target = aten.multilabel_margin_loss_forward.default(rows, T, _NONE)
-    return (_per_row_losses(losses, X, reduction), is_target.reshape(X.shape)), (0, 0)
+    t_shape = ensure_bdim_front(target, in_dims[1], info.batch_size).shape
+    rows_shape = (n_rows,) if len(t_shape) > 2 else ()
+    return (_per_row_losses(losses, X, reduction, rows_shape), is_target.reshape(t_shape)), \
+        (0, 0)
 
 
 @register_batch_rule(aten.multilabel_margin_loss_backward.default)
@@ -265,3 +291,90 @@ def multilabel_margin_loss_backward_rule(info, in_dims, grad, x, target, reducti
     G = _row_grads(info, grad, in_dims[0], X, n_rows, reduction)
     out = aten.multilabel_margin_loss_backward.default(G, rows, T, _NONE, is_t)
     return out.reshape(X.shape), 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunked path of F.linear_cross_entropy (torch >= 2.13: custom ops in the torch_nn
+# namespace, defined when torch.nn.modules.linear_cross_entropy is imported).  Each row's loss
+# (and, for a reduced loss, each row's input gradient) depends on its own row only, so with
+# the linear weight, bias and class weight unbatched the batch folds into the rows: one call
+# on [B*N, D] rows.  A batched linear weight / bias / class weight, or a requested gradient of
+# the linear weight or bias (the op sums it over all rows, mixing examples), is declined: the
+# loop runs the op per example, which keeps the chunked path's point (the [N, C] logits are
+# never materialised), where a vectorised form would build [B, N, C] logits.
+
+def _torch_nn_op(name):
+    """``torch.ops.torch_nn.<name>.default``, or None where this torch has no such op."""
+    try:
+        import torch.nn.modules.linear_cross_entropy  # noqa: F401  (defines the torch_nn ops)
+        return getattr(torch.ops.torch_nn, name).default
+    except (ImportError, AttributeError):
+        return None
+
+
+def _lce_rows(info, in_dims, x, target):
+    """Input rows [B*N, D] and targets [B*N] of a [N, D] input per example, and B, N."""
+    B = info.batch_size
+    X = ensure_bdim_front(x, in_dims[0], B)
+    T = ensure_bdim_front(target, in_dims[2], B)
+    if X.dim() != 3 or T.dim() != 2:
+        raise Decline()
+    return X.reshape(-1, X.shape[-1]), T.reshape(-1), B, X.shape[1]
+
+
+_LCE_NONE = _torch_nn_op("_linear_cross_entropy_batch_chunked_no_reduction")
+_LCE = _torch_nn_op("_linear_cross_entropy_batch_chunked")
+
+
+def _lce_no_reduction_rule(info, in_dims, x, linear_weight, target, linear_bias, weight,
+                           ignore_index, batch_chunk_size, acc_policy, acc_dtype):
+    if any(d is not None for d in (in_dims[1], in_dims[3], in_dims[4])):
+        raise Decline()
+    rows, T, B, N = _lce_rows(info, in_dims, x, target)
+    losses = _LCE_NONE(rows, linear_weight, T, linear_bias, weight, ignore_index,
+                       batch_chunk_size, acc_policy, acc_dtype)
+    return losses.reshape(B, N), 0
+
+
+def _lce_reduced_rule(info, in_dims, x, linear_weight, target, linear_bias, weight, reduction,
+                      ignore_index, label_smoothing, batch_chunk_size, acc_policy, acc_dtype,
+                      allow_retain_graph, compute_input_grad, compute_linear_weight_grad,
+                      compute_linear_bias_grad):
+    if any(d is not None for d in (in_dims[1], in_dims[3], in_dims[4])) or \
+            compute_linear_weight_grad or compute_linear_bias_grad or label_smoothing != 0 or \
+            reduction not in ("sum", "mean"):
+        raise Decline()
+    rows, T, B, N = _lce_rows(info, in_dims, x, target)
+    # The physical operands are detached: this call only computes values (autograd above the
+    # dispatcher owns the derivative), and the op refuses a requires_grad input whose
+    # gradient it was not asked to compute.
+    rows, lw = rows.detach(), linear_weight.detach()
+    lb = None if linear_bias is None else linear_bias.detach()
+    losses = _LCE_NONE(rows, lw, T, lb, weight, ignore_index, batch_chunk_size, acc_policy,
+                       acc_dtype).reshape(B, N)
+    loss = losses.sum(1)
+    if reduction == "mean":   # each example's own total weight of its non-ignored targets
+        ignored = T == ignore_index
+        w = torch.ones(T.shape, dtype=losses.dtype, device=T.device) if weight is None else \
+            weight.index_select(0, T.masked_fill(ignored, 0)).to(losses.dtype)
+        total = w.masked_fill(ignored, 0).reshape(B, N).sum(1)
+        loss = loss / total
+    loss = loss.to(x.dtype)
+    empty = lambda *shape: torch.empty(shape, dtype=x.dtype, device=x.device)  # noqa: E731
+    if compute_input_grad:
+        grads = _LCE(rows, lw, T, lb, weight, "sum", ignore_index, 0.0, batch_chunk_size,
+                     acc_policy, acc_dtype, True, True, False, False)[1].reshape(B, N, -1)
+        if reduction == "mean":
+            grads = grads / total.reshape(B, 1, 1).to(grads.dtype)
+        gi = grads
+    else:
+        gi = empty(B, 0, 0)
+    gw = empty(0, 0)
+    gb = empty(0)
+    return (loss, gi, gw, gb), (0, 0, None, None)
+
+
+if _LCE_NONE is not None:
+    register_batch_rule(_LCE_NONE, _lce_no_reduction_rule)
+if _LCE is not None:
+    register_batch_rule(_LCE, _lce_reduced_rule)

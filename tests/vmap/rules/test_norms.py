@@ -79,16 +79,43 @@ def test_native_group_norm_outputs():
 
 
 def test_native_group_norm_noncontiguous_operands_match_eager():
-    # The eager kernels read weight/bias/grad as contiguous memory; the rule declines
-    # non-contiguous ones, so the result is exactly the per-example eager one.
+    # The eager kernels read weight/bias/grad/mean/rstd as contiguous memory from each
+    # example's data pointer; the rule batches exactly those reads (strict: no loop).
     f = lambda x, w: aten.native_group_norm(x, w, None, 4, 6, 5, 3, EPS)  # noqa: E731
-    check_vmap(f, [X, W], (0, -1), strict=False)
+    check_vmap(f, [X, W], (0, -1))
+    g = lambda x, w, b: aten.native_group_norm(x, w, b, 4, 6, 5, 3, EPS)  # noqa: E731
+    check_vmap(g, [X, W, BIAS], (0, 0, -1))
+    check_vmap(g, [X, W, BIAS], (None, -1, -1))
+    strided = torch.randn(12, generator=torch.Generator().manual_seed(3))[::2]  # unbatched
+    check_vmap(lambda x: g(x, strided, None), [X], (0,))
 
     def bwd(grad, x):
         _, mean, rstd = aten.native_group_norm(x, W, None, 4, 6, 5, 3, EPS)
         return aten.native_group_norm_backward(grad, x, mean, rstd, W, 4, 6, 5, 3,
                                                [True, True, True])
-    check_vmap(bwd, [torch.randn_like(X), X], (-1, 0), strict=False)
+    check_vmap(bwd, [torch.randn_like(X), X], (-1, 0))
+
+    def bwd_stats(grad, x, mean, rstd, w):
+        return aten.native_group_norm_backward(grad, x, mean, rstd, w, 4, 6, 5, 3,
+                                               [True, True, True])
+    _, mean, rstd = aten.native_group_norm(X, W, None, 4, 6, 5, 3, EPS)
+    check_vmap(bwd_stats, [torch.randn_like(X), X, mean, rstd.abs() + 0.5, W], (0, 0, -1, -1, -1))
+
+
+def test_native_group_norm_under_vmap_of_vjp_vs_torch_func():
+    """Per-example gradients through native_group_norm (its backward rule under vmap∘vjp),
+    with a shared and with a per-example weight, against torch.func."""
+    x, w = torch.randn(3, 4, 6, 5), W + 0.5
+    cot = torch.randn(3, 4, 6, 5)
+
+    def f(x, w, ct, vjp):
+        out, pull = vjp(lambda a, b: aten.native_group_norm(a, b, None, 4, 6, 5, 3, EPS)[0],
+                        x, w)
+        return pull(ct)
+    for in_dims, wb in [((0, None, 0), w), ((0, 0, 0), torch.stack([w, w * 2, w - 0.3]))]:
+        ours = ft.vmap(lambda *a: f(*a, ft.vjp), in_dims=in_dims)(x, wb, cot)
+        ref = torch.func.vmap(lambda *a: f(*a, torch.func.vjp), in_dims=in_dims)(x, wb, cot)
+        assert_same(ours, ref, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("mask", [[True, True, True], [True, False, True]])
