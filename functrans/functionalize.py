@@ -79,6 +79,8 @@ def _unwrap(t: torch.Tensor) -> torch.Tensor:
 class _ToFunctional(torch.autograd.Function):
     """Wrap a tensor into a functional wrapper; the gradient passes through unwrapped."""
 
+    generate_vmap_rule = True   # vmap(functionalize(f)): forward runs on the BatchedTensors
+
     @staticmethod
     def forward(x):
         return torch._to_functional_tensor(x)
@@ -109,6 +111,8 @@ class _ToFunctional(torch.autograd.Function):
 
 class _FromFunctional(torch.autograd.Function):
     """Unwrap a functional output (after applying its pending updates)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(w, originals):
