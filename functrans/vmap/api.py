@@ -204,13 +204,16 @@ def _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size, ra
         batched = [a if d is None else BatchedTensor(_resolve_bits(a), d, level)
                    for a, d in zip(flat_args, flat_dims)]
         out = func(*tree_unflatten(batched, args_spec), **kwargs)
-        return _unwrap_outputs(out, out_dims, level, api)
+        return _unwrap_outputs(out, out_dims, level, api, flat_args)
 
 
-def _unwrap_outputs(out, out_dims, level, api):
+def _unwrap_outputs(out, out_dims, level, api, inputs=()):
     flat_out, out_spec = tree_flatten(out)
     if _is_dim_leaf(out_dims):
         flat_dims = [out_dims] * len(flat_out)
+    elif type(out_dims) is tuple and len(out_dims) == 1 and _is_dim_leaf(out_dims[0]) and \
+            isinstance(out, torch.Tensor):
+        flat_dims = list(out_dims)  # out_dims=(k,) for a function returning one tensor
     else:
         flat_dims = broadcast_prefix(out_dims, out, _is_dim_leaf)
         if flat_dims is None:
@@ -254,10 +257,44 @@ def _unwrap_outputs(out, out_dims, level, api):
                 f"per example; expected an out_dim in [{-nd}, {nd - 1}].")
         d %= nd
         if batched_here:
-            results.append(match_bdim(o.value, o.bdim, d, level.batch_size))
+            v = o.value
+            if inputs and type(v) is torch.Tensor and v._base is None:
+                v = _as_view_of_input(v, inputs)
+            results.append(match_bdim(v, o.bdim, d, level.batch_size))
         else:
             results.append(match_bdim(o, None, d, level.batch_size))
     return results_with_dims(results, flat_dims), out_spec
+
+
+_is_alias_of = getattr(torch._C, "_is_alias_of", None)
+
+
+def _as_view_of_input(v: torch.Tensor, inputs) -> torch.Tensor:
+    """``v`` (a batched output's physical value), as a view of the input it aliases.
+
+    Rules run inside ``__torch_dispatch__``, where view tracking (the ADInplaceOrView key) is
+    off unless autograd records the physical ops (Note [autograd on physical values] in
+    dispatch.py): a view of an input comes out sharing the input's storage, but with no
+    ``_base`` and its own version counter.  Eager's view of one example has the input as its
+    ``_base`` (its root, if the input is itself a view), so the output is rebuilt here as the
+    same window of the input: ``vmap(lambda t: t.view(2, 2))(x)._base is x``, and in-place
+    writes to ``x`` show in the output's version counter as they do in eager.  This runs once per
+    output of a vmap call, not per op: view ops keep their dispatch cost.
+
+    Left as it is: an output aliasing an input that requires grad (autograd was on for its ops,
+    so a missing ``_base`` means the function detached it), a value whose dtype, conjugate or
+    negative bit differs from the input's (no window of the input reads it), and an output that
+    aliases no input (a view of an intermediate, or of a tensor the function closed over)."""
+    if _is_alias_of is None:
+        return v
+    for a in inputs:
+        if type(a) is not torch.Tensor or a is v or not _is_alias_of(v, a):
+            continue
+        if a.requires_grad or a.dtype != v.dtype or a.is_conj() != v.is_conj() or \
+                a.is_neg() != v.is_neg() or a.layout is not torch.strided:
+            return v
+        return a.as_strided(v.shape, v.stride(), v.storage_offset())
+    return v
 
 
 class results_with_dims(list):

@@ -74,7 +74,27 @@ class BatchedTensor(torch.Tensor):
         return (f"BatchedTensor(level={self.level.id}, bdim={self.bdim}, "
                 f"value={self.value!r})")
 
-    # Python-level conversions that cannot be batched: say so clearly.
+    # Python-level conversions that cannot be batched: say so clearly.  Without these, an
+    # example of more than one element would get eager's numel check ("a Tensor with 4
+    # elements cannot be converted to Scalar"), which hides that vmap is the cause; a
+    # one-element example reaches aten._local_scalar_dense, whose rule says the same
+    # (rules/data_dependent.py).
+    def item(self):
+        raise _python_value_error(".item()")
+
+    def __bool__(self):
+        raise _python_value_error("bool(tensor) (or Python control flow on it: `if x:`, "
+                                  "`while x:`, `x and y`, `assert x`)")
+
+    def __int__(self):
+        raise _python_value_error("int(tensor)")
+
+    def __float__(self):
+        raise _python_value_error("float(tensor)")
+
+    def __complex__(self):
+        raise _python_value_error("complex(tensor)")
+
     def tolist(self):
         raise UnsupportedUnderVmap(
             "vmap: .tolist() was called on a batched tensor inside a vmapped function. "
@@ -106,8 +126,51 @@ class BatchedTensor(torch.Tensor):
             "`with torch.no_grad(): x.copy_(new)`, or compute a new tensor and return it.")
 
 
+def _python_value_error(what: str) -> UnsupportedUnderVmap:
+    """The error of a Python conversion of a wrapper: what was called, then the explanation
+    and fix of ``aten._local_scalar_dense``'s rule (one source for both routes)."""
+    from .rules.data_dependent import local_scalar_dense_rule
+    try:
+        local_scalar_dense_rule(None, (None,), None)
+    except UnsupportedUnderVmap as e:
+        detail = str(e).removeprefix("vmap: ")
+    else:  # pragma: no cover - the rule always raises
+        detail = "a batched tensor has no single Python value."
+    return UnsupportedUnderVmap(
+        f"vmap: {what} was called on a batched tensor inside a vmapped function: {detail}")
+
+
 def is_batched(x) -> bool:
     return isinstance(x, BatchedTensor)
+
+
+def debug_unwrap(tensor: torch.Tensor, *, recurse: bool = True) -> torch.Tensor:
+    """The physical tensor under a ``BatchedTensor``, for debugging (printing a value in a
+    debugger, inspecting the batch layout).
+
+    Inside a vmapped function every mapped tensor is a ``BatchedTensor`` that shows one
+    example; this returns the tensor it wraps, batch dim included (at the physical position
+    the batching rules left it, not necessarily 0).  With ``recurse=True`` (the default) it
+    unwraps every nested vmap level down to an ordinary tensor; with ``recurse=False`` only
+    the outermost wrapper (the innermost vmap's level), which under nested vmaps is itself a
+    ``BatchedTensor`` of the enclosing vmap.  Anything that is not a ``BatchedTensor`` comes back
+    unchanged (functrans's grad transforms do not wrap tensors).
+
+    Only for debugging: computing with the result inside the vmapped function mixes examples
+    (the batch dim is an ordinary dim to it) and can give wrong results.
+
+    >>> import torch, functrans
+    >>> x = torch.randn(4, 3)
+    >>> seen = []
+    >>> _ = functrans.vmap(lambda t: seen.append(functrans.debug_unwrap(t)) or t)(x)
+    >>> seen[0] is x
+    True
+    """
+    while isinstance(tensor, BatchedTensor):
+        tensor = tensor.value
+        if not recurse:
+            break
+    return tensor
 
 
 def _scalar_index_torch_function(func, types, args=(), kwargs=None):
