@@ -83,17 +83,28 @@ class BatchedTensor(torch.Tensor):
         raise _python_value_error(".item()")
 
     def __bool__(self):
-        raise _python_value_error("bool(tensor) (or Python control flow on it: `if x:`, "
-                                  "`while x:`, `x and y`, `assert x`)")
+        raise _python_value_error("bool(tensor)", "Python control flow on a tensor calls it: "
+                                  "`if x:`, `while x:`, `x and y`, `assert x`")
 
+    # torch.tensor([a[0], a[1]]) converts its batched elements this way, too.
     def __int__(self):
-        raise _python_value_error("int(tensor)")
+        raise _python_value_error("int(tensor)", _BY_TORCH_TENSOR)
 
     def __float__(self):
-        raise _python_value_error("float(tensor)")
+        raise _python_value_error("float(tensor)", _BY_TORCH_TENSOR)
 
     def __complex__(self):
-        raise _python_value_error("complex(tensor)")
+        raise _python_value_error("complex(tensor)", _BY_TORCH_TENSOR)
+
+    def __index__(self):
+        # Eager's TypeError for a non-integer or multi-element tensor stays (code may catch it
+        # to test whether a value is int-like); a one-element integer example has no single
+        # Python int under vmap.
+        if self.dtype in _INDEX_DTYPES and self.numel() == 1:
+            raise _python_value_error(
+                "operator.index(tensor)", "an integer tensor used as a Python int calls it, "
+                "e.g. range(k); " + _BY_TORCH_TENSOR)
+        return torch.Tensor.__index__(self)
 
     def tolist(self):
         raise UnsupportedUnderVmap(
@@ -126,9 +137,14 @@ class BatchedTensor(torch.Tensor):
             "`with torch.no_grad(): x.copy_(new)`, or compute a new tensor and return it.")
 
 
-def _python_value_error(what: str) -> UnsupportedUnderVmap:
-    """The error of a Python conversion of a wrapper: what was called, then the explanation
-    and fix of ``aten._local_scalar_dense``'s rule (one source for both routes)."""
+_BY_TORCH_TENSOR = ("torch.tensor([...]) of batched elements calls it too: build that tensor "
+                    "with torch.stack instead")
+
+
+def _python_value_error(what: str, also: str = "") -> UnsupportedUnderVmap:
+    """The error of a Python conversion of a wrapper: what was called (and what else calls
+    it), then the explanation and fix of ``aten._local_scalar_dense``'s rule (one source for
+    both routes)."""
     from .rules.data_dependent import local_scalar_dense_rule
     try:
         local_scalar_dense_rule(None, (None,), None)
@@ -137,7 +153,8 @@ def _python_value_error(what: str) -> UnsupportedUnderVmap:
     else:  # pragma: no cover - the rule always raises
         detail = "a batched tensor has no single Python value."
     return UnsupportedUnderVmap(
-        f"vmap: {what} was called on a batched tensor inside a vmapped function: {detail}")
+        f"vmap: {what} was called on a batched tensor inside a vmapped function"
+        f"{f' ({also})' if also else ''}. {detail[:1].upper()}{detail[1:]}")
 
 
 def is_batched(x) -> bool:

@@ -271,15 +271,40 @@ def test_python_conversions_name_what_was_called():
 
 
 def test_conversions_reached_only_inside_pytorch_still_go_through_the_rule():
-    # operator.index and scalar arguments parsed by PyTorch call aten._local_scalar_dense
-    # directly (data_dependent.py's rule)
+    # scalar arguments parsed by PyTorch call aten._local_scalar_dense directly
+    # (data_dependent.py's rule)
+    f = lambda a: torch.full((2,), a.sum())
+    a = torch.randn(3, 2)
+    with pytest.raises(UnsupportedUnderVmap, match=r"^vmap: a batched.*_local_scalar_dense.*"
+                                                   r"torch\.where"):
+        ft.vmap(f)(a)
+    with pytest.raises(RuntimeError, match=r"\.item\(\)"):
+        torch.func.vmap(f)(a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.complex64])
+def test_torch_tensor_of_batched_elements(dtype):
+    f = lambda a: torch.tensor([a[0], a[1]])
+    x = torch.randn(4, 3).to(dtype)
+    with pytest.raises(UnsupportedUnderVmap, match=r"torch\.tensor\(\[\.\.\.\]\).*torch\.stack"):
+        ft.vmap(f)(x)
+    with pytest.raises(RuntimeError):
+        torch.func.vmap(f)(x)
+
+
+def test_index_of_a_batched_integer():
     k = torch.tensor([0, 1, 2])
-    for f, a in [(lambda k: torch.zeros(operator.index(k)), k),
-                 (lambda a: torch.full((2,), a.sum()), torch.randn(3, 2))]:
-        with pytest.raises(UnsupportedUnderVmap, match=r"_local_scalar_dense.*torch\.where"):
-            ft.vmap(f)(a)
-        with pytest.raises(RuntimeError, match=r"\.item\(\)"):
-            torch.func.vmap(f)(a)
+    for g in (lambda k: torch.zeros(operator.index(k)), lambda k: torch.zeros(3)[:range(k)[-1]]):
+        with pytest.raises(UnsupportedUnderVmap, match=r"operator\.index.*torch\.where"):
+            ft.vmap(g)(k)
+        with pytest.raises(RuntimeError):
+            torch.func.vmap(g)(k)
+    # not an integer, or several elements: eager's TypeError, as in a loop over the examples
+    for a in (torch.randn(3), torch.tensor([[0, 1], [1, 2], [2, 0]])):
+        with pytest.raises(TypeError, match="only integer tensors of a single element"):
+            ft.vmap(operator.index)(a)
+        with pytest.raises(TypeError, match="only integer tensors of a single element"):
+            operator.index(a[0])
 
 
 def test_conversions_of_ordinary_tensors_inside_vmap_still_work():
