@@ -2,9 +2,11 @@
 
 One batched call pushes a ``VmapLevel`` (and its randomness mode), wraps each mapped input in a
 ``BatchedTensor``, runs the function, and turns each output back into a physical tensor with its
-batch dim at ``out_dims`` (``helpers.match_bdim``).  Wrapping needs no autograd.Function: an input
-that carries autograd state keeps it on the physical value, and the dispatcher records the rules'
-physical ops (see Note [autograd on physical values] in dispatch.py).
+batch dim at ``out_dims`` (``helpers.match_bdim``); an output that aliases an input comes back
+as a view of that input, as in eager (``_as_view_of_input``).  Wrapping needs no
+autograd.Function: an input that carries autograd state keeps it on the physical value, and the
+dispatcher records the rules' physical ops (see Note [autograd on physical values] in
+dispatch.py).
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ def vmap(func: Callable, in_dims: Any = 0, out_dims: Any = 0, randomness: str = 
             end), ``None`` for an argument shared by every example, or a pytree prefix of the
             arguments. Keyword arguments are never mapped.
         out_dims: where the batch dim goes in each output: an int, ``None`` (for outputs that
-            do not depend on the batch), or a pytree prefix of the outputs.
+            do not depend on the batch), or a pytree prefix of the outputs (a 1-tuple ``(k,)``
+            is accepted for a function that returns one tensor).
         randomness: ``'error'`` (random ops raise), ``'different'`` (each example draws its own
             values) or ``'same'`` (one draw shared by the batch).
         chunk_size: run the batch in chunks of this many examples (bounds memory); the result
@@ -281,10 +284,14 @@ def _as_view_of_input(v: torch.Tensor, inputs) -> torch.Tensor:
     writes to ``x`` show in the output's version counter as they do in eager.  This runs once per
     output of a vmap call, not per op: view ops keep their dispatch cost.
 
-    Left as it is: an output aliasing an input that requires grad (autograd was on for its ops,
-    so a missing ``_base`` means the function detached it), a value whose dtype, conjugate or
-    negative bit differs from the input's (no window of the input reads it), and an output that
-    aliases no input (a view of an intermediate, or of a tensor the function closed over)."""
+    Left as it is: an output aliasing an input that requires grad (with grad mode on, autograd
+    recorded its ops with view tracking, so a missing ``_base`` means the function detached it;
+    under no_grad the alias stays detached, where eager's no-grad view would report
+    requires_grad), a value whose dtype, conjugate or negative bit differs from the input's (no
+    window of the input reads it), and an output that aliases no input (a view of an
+    intermediate, or of a tensor the function closed over: no ``_base``, unlike eager).  The
+    one case made a view that eager does not: ``t.detach()`` of an input that does not require
+    grad (the physical value cannot tell a detach from a view)."""
     if _is_alias_of is None:
         return v
     for a in inputs:
