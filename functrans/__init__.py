@@ -5,6 +5,7 @@ The public API mirrors PyTorch's functional transforms (same names and signature
 from .errors import (EscapedBatchedTensorError, FunctransError, PerformanceWarning,
                      TransformArgumentError, UnsupportedUnderVmap)
 from .vmap.api import vmap
+from .vmap.batched_tensor import debug_unwrap
 from .autodiff.grad import grad, grad_and_value
 from .autodiff.vjp import vjp
 from .autodiff.jvp import jvp, linearize
@@ -17,12 +18,13 @@ from . import config
 
 for _f in (vmap, grad, grad_and_value, vjp, jvp, linearize, jacrev, jacfwd, hessian,
            functional_call, stack_module_state, replace_all_batch_norm_modules_, functionalize,
-           rearrange):
+           rearrange, debug_unwrap):
     _f.__module__ = "functrans"
 del _f
 
 __all__ = ["vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd",
            "hessian", "functional_call", "stack_module_state", "replace_all_batch_norm_modules_",
+           "debug_unwrap",
            "Ensemble", "config", "record_fallbacks", "FallbackReport", "batching_coverage",
            "batching_rules", "FunctransError", "TransformArgumentError", "UnsupportedUnderVmap",
            "EscapedBatchedTensorError", "PerformanceWarning", "functionalize", "rearrange"]

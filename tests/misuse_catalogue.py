@@ -104,6 +104,21 @@ ENTRIES = [
        ft.vmap(f)(x)
        """, U, r"int\(\)/float\(\).*torch\.where.*x\[k\]", ("int()", "torch.where", "x[k]"),
        which=NA, torch_func=_ITEM_TF),
+    _e("item_several_elements", "`.item()` on a batched value of several elements per example",
+       """
+       ft.vmap(lambda a: a * a.item())(x)
+       """, U, r"\.item\(\).*torch\.where", (".item()", "batched tensor", "outside vmap"),
+       which=NA, torch_func=_ITEM_TF),
+    _e("if_on_batched_vector", "Python control flow on a batched value of several elements "
+       "per example (`if a > 0:` with `a` of shape (3,))",
+       """
+       def f(a):
+           if a > 0:
+               return a
+           return -a
+       ft.vmap(f)(x)
+       """, U, r"bool\(tensor\).*`if x:`.*torch\.where\(cond, a, b\)",
+       ("bool(tensor)", "if x:", "torch.where"), which=NA, torch_func=_CF_TF),
     _e("tolist", "`.tolist()` inside vmap",
        """
        ft.vmap(lambda a: torch.tensor(a.tolist()))(x)
@@ -121,10 +136,8 @@ ENTRIES = [
     _e("torch_tensor_of_batched", "`torch.tensor([...])` built from batched elements",
        """
        ft.vmap(lambda a: torch.tensor([a[0], a[1]]))(x)
-       """, RuntimeError, r"data is not allocated", (), what=NO, which=NO, fix=NO,
-       note="PyTorch's raw internal error: torch.tensor() copies the elements in C++ without "
-            "dispatching, so no functrans hook sees it. Use torch.stack([a[0], a[1]]).",
-       torch_func=_ITEM_TF),
+       """, U, r"torch\.tensor\(\[\.\.\.\]\) of batched elements.*torch\.stack",
+       ("torch.tensor([...])", "torch.stack"), which=NA, torch_func=_ITEM_TF),
     _e("data_dependent_shape", "boolean-mask indexing (`x[x > 0]`): a data-dependent shape",
        """
        ft.vmap(lambda a: a[a > 0])(x)

@@ -2,9 +2,11 @@
 
 One batched call pushes a ``VmapLevel`` (and its randomness mode), wraps each mapped input in a
 ``BatchedTensor``, runs the function, and turns each output back into a physical tensor with its
-batch dim at ``out_dims`` (``helpers.match_bdim``).  Wrapping needs no autograd.Function: an input
-that carries autograd state keeps it on the physical value, and the dispatcher records the rules'
-physical ops (see Note [autograd on physical values] in dispatch.py).
+batch dim at ``out_dims`` (``helpers.match_bdim``); an output that aliases an input comes back
+as a view of that input, as in eager (``_as_view_of_input``).  Wrapping needs no
+autograd.Function: an input that carries autograd state keeps it on the physical value, and the
+dispatcher records the rules' physical ops (see Note [autograd on physical values] in
+dispatch.py).
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ def vmap(func: Callable, in_dims: Any = 0, out_dims: Any = 0, randomness: str = 
             end), ``None`` for an argument shared by every example, or a pytree prefix of the
             arguments. Keyword arguments are never mapped.
         out_dims: where the batch dim goes in each output: an int, ``None`` (for outputs that
-            do not depend on the batch), or a pytree prefix of the outputs.
+            do not depend on the batch), or a pytree prefix of the outputs (a 1-tuple ``(k,)``
+            is accepted for a function that returns one tensor).
         randomness: ``'error'`` (random ops raise), ``'different'`` (each example draws its own
             values) or ``'same'`` (one draw shared by the batch).
         chunk_size: run the batch in chunks of this many examples (bounds memory); the result
@@ -205,13 +208,16 @@ def _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size, ra
         batched = [a if d is None else BatchedTensor(_resolve_bits(a), d, level)
                    for a, d in zip(flat_args, flat_dims)]
         out = func(*tree_unflatten(batched, args_spec), **kwargs)
-        return _unwrap_outputs(out, out_dims, level, api)
+        return _unwrap_outputs(out, out_dims, level, api, flat_args)
 
 
-def _unwrap_outputs(out, out_dims, level, api):
+def _unwrap_outputs(out, out_dims, level, api, inputs=()):
     flat_out, out_spec = tree_flatten(out)
     if _is_dim_leaf(out_dims):
         flat_dims = [out_dims] * len(flat_out)
+    elif type(out_dims) is tuple and len(out_dims) == 1 and _is_dim_leaf(out_dims[0]) and \
+            isinstance(out, torch.Tensor):
+        flat_dims = list(out_dims)  # out_dims=(k,) for a function returning one tensor
     else:
         flat_dims = broadcast_prefix(out_dims, out, _is_dim_leaf)
         if flat_dims is None:
@@ -255,10 +261,48 @@ def _unwrap_outputs(out, out_dims, level, api):
                 f"per example; expected an out_dim in [{-nd}, {nd - 1}].")
         d %= nd
         if batched_here:
-            results.append(match_bdim(o.value, o.bdim, d, level.batch_size))
+            v = o.value
+            if inputs and type(v) is torch.Tensor and v._base is None:
+                v = _as_view_of_input(v, inputs)
+            results.append(match_bdim(v, o.bdim, d, level.batch_size))
         else:
             results.append(match_bdim(o, None, d, level.batch_size))
     return results_with_dims(results, flat_dims), out_spec
+
+
+_is_alias_of = getattr(torch._C, "_is_alias_of", None)
+
+
+def _as_view_of_input(v: torch.Tensor, inputs) -> torch.Tensor:
+    """``v`` (a batched output's physical value), as a view of the input it aliases.
+
+    Rules run inside ``__torch_dispatch__``, where view tracking (the ADInplaceOrView key) is
+    off unless autograd records the physical ops (Note [autograd on physical values] in
+    dispatch.py): a view of an input comes out sharing the input's storage, but with no
+    ``_base`` and its own version counter.  Eager's view of one example has the input as its
+    ``_base`` (its root, if the input is itself a view), so the output is rebuilt here as the
+    same window of the input: ``vmap(lambda t: t.view(2, 2))(x)._base is x``, and in-place
+    writes to ``x`` show in the output's version counter as they do in eager.  This runs once per
+    output of a vmap call, not per op: view ops keep their dispatch cost.
+
+    Left as it is: an output aliasing an input that requires grad (with grad mode on, autograd
+    recorded its ops with view tracking, so a missing ``_base`` means the function detached it;
+    under no_grad the alias stays detached, where eager's no-grad view would report
+    requires_grad), a value whose dtype, conjugate or negative bit differs from the input's (no
+    window of the input reads it), and an output that aliases no input (a view of an
+    intermediate, or of a tensor the function closed over: no ``_base``, unlike eager).  The
+    one case made a view that eager does not: ``t.detach()`` of an input that does not require
+    grad (the physical value cannot tell a detach from a view)."""
+    if _is_alias_of is None:
+        return v
+    for a in inputs:
+        if type(a) is not torch.Tensor or a is v or not _is_alias_of(v, a):
+            continue
+        if a.requires_grad or a.dtype != v.dtype or a.is_conj() != v.is_conj() or \
+                a.is_neg() != v.is_neg() or a.layout is not torch.strided:
+            return v
+        return a.as_strided(v.shape, v.stride(), v.storage_offset())
+    return v
 
 
 class results_with_dims(list):

@@ -74,7 +74,38 @@ class BatchedTensor(torch.Tensor):
         return (f"BatchedTensor(level={self.level.id}, bdim={self.bdim}, "
                 f"value={self.value!r})")
 
-    # Python-level conversions that cannot be batched: say so clearly.
+    # Python-level conversions that cannot be batched: say so clearly.  Without these, an
+    # example of more than one element would get eager's numel check ("a Tensor with 4
+    # elements cannot be converted to Scalar"), which hides that vmap is the cause; a
+    # one-element example reaches aten._local_scalar_dense, whose rule says the same
+    # (rules/data_dependent.py).
+    def item(self):
+        raise _python_value_error(".item()")
+
+    def __bool__(self):
+        raise _python_value_error("bool(tensor)", "Python control flow on a tensor calls it: "
+                                  "`if x:`, `while x:`, `x and y`, `assert x`")
+
+    # torch.tensor([a[0], a[1]]) converts its batched elements this way, too.
+    def __int__(self):
+        raise _python_value_error("int(tensor)", _BY_TORCH_TENSOR)
+
+    def __float__(self):
+        raise _python_value_error("float(tensor)", _BY_TORCH_TENSOR)
+
+    def __complex__(self):
+        raise _python_value_error("complex(tensor)", _BY_TORCH_TENSOR)
+
+    def __index__(self):
+        # Eager's TypeError for a non-integer or multi-element tensor stays (code may catch it
+        # to test whether a value is int-like); a one-element integer example has no single
+        # Python int under vmap.
+        if self.dtype in _INDEX_DTYPES and self.numel() == 1:
+            raise _python_value_error(
+                "operator.index(tensor)", "an integer tensor used as a Python int calls it, "
+                "e.g. range(k); " + _BY_TORCH_TENSOR)
+        return torch.Tensor.__index__(self)
+
     def tolist(self):
         raise UnsupportedUnderVmap(
             "vmap: .tolist() was called on a batched tensor inside a vmapped function. "
@@ -106,8 +137,57 @@ class BatchedTensor(torch.Tensor):
             "`with torch.no_grad(): x.copy_(new)`, or compute a new tensor and return it.")
 
 
+_BY_TORCH_TENSOR = ("torch.tensor([...]) of batched elements calls it too: build that tensor "
+                    "with torch.stack instead")
+
+
+def _python_value_error(what: str, also: str = "") -> UnsupportedUnderVmap:
+    """The error of a Python conversion of a wrapper: what was called (and what else calls
+    it), then the explanation and fix of ``aten._local_scalar_dense``'s rule (one source for
+    both routes)."""
+    from .rules.data_dependent import local_scalar_dense_rule
+    try:
+        local_scalar_dense_rule(None, (None,), None)
+    except UnsupportedUnderVmap as e:
+        detail = str(e).removeprefix("vmap: ")
+    else:  # pragma: no cover - the rule always raises
+        detail = "a batched tensor has no single Python value."
+    return UnsupportedUnderVmap(
+        f"vmap: {what} was called on a batched tensor inside a vmapped function"
+        f"{f' ({also})' if also else ''}. {detail[:1].upper()}{detail[1:]}")
+
+
 def is_batched(x) -> bool:
     return isinstance(x, BatchedTensor)
+
+
+def debug_unwrap(tensor: torch.Tensor, *, recurse: bool = True) -> torch.Tensor:
+    """The physical tensor under a ``BatchedTensor``, for debugging (printing a value in a
+    debugger, inspecting the batch layout).
+
+    Inside a vmapped function every mapped tensor is a ``BatchedTensor`` that shows one
+    example; this returns the tensor it wraps, batch dim included (at the physical position
+    the batching rules left it, not necessarily 0).  With ``recurse=True`` (the default) it
+    unwraps every nested vmap level down to an ordinary tensor; with ``recurse=False`` only
+    the outermost wrapper (the innermost vmap's level), which under nested vmaps is itself a
+    ``BatchedTensor`` of the enclosing vmap.  Anything that is not a ``BatchedTensor`` comes back
+    unchanged (functrans's grad transforms do not wrap tensors).
+
+    Only for debugging: computing with the result inside the vmapped function mixes examples
+    (the batch dim is an ordinary dim to it) and can give wrong results.
+
+    >>> import torch, functrans
+    >>> x = torch.randn(4, 3)
+    >>> seen = []
+    >>> _ = functrans.vmap(lambda t: seen.append(functrans.debug_unwrap(t)) or t)(x)
+    >>> seen[0] is x
+    True
+    """
+    while isinstance(tensor, BatchedTensor):
+        tensor = tensor.value
+        if not recurse:
+            break
+    return tensor
 
 
 def _scalar_index_torch_function(func, types, args=(), kwargs=None):

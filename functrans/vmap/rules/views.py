@@ -343,15 +343,19 @@ def _is_legacy_empty(t, d) -> bool:
 @register_batch_rule(aten.cat.default)
 def cat_rule(info, in_dims, tensors, dim=0):
     dims = in_dims[0]
-    kept = [(t, d) for t, d in zip(tensors, dims) if not _is_legacy_empty(t, d)]
-    if not kept:  # every input is a legacy empty 1-D tensor
-        kept = list(zip(tensors, dims))
-    rank = logical_rank(kept[0][0], kept[0][1])
+    legacy = [_is_legacy_empty(t, d) for t, d in zip(tensors, dims)]
+    if all(legacy):  # every input is a legacy empty 1-D tensor: concatenate them all
+        legacy = [False] * len(legacy)
+    first = legacy.index(False)
+    rank = logical_rank(tensors[first], dims[first])
     if rank == 0:
         raise RuntimeError("zero-dimensional tensor (at position 0) cannot be concatenated")
-    parts = [ensure_bdim_front(t, d, info.batch_size) for t, d in kept]
-    # the skipped tensors still take part in type promotion
-    parts[0] = parts[0].to(functools.reduce(torch.promote_types, [t.dtype for t in tensors]))
+    # A legacy empty input is passed on as a physical (0,) tensor, which cat skips too: it
+    # still takes part in type promotion and in autograd's graph (eager's output requires grad
+    # when only such an input does).
+    parts = [(t if d is None else t.reshape(0)) if skip
+             else ensure_bdim_front(t, d, info.batch_size)
+             for t, d, skip in zip(tensors, dims, legacy)]
     return torch.cat(parts, normalize_dim(dim, rank) + 1), 0
 
 
