@@ -382,6 +382,24 @@ def _rearrange_params():
         functrans.rearrange([x], "a b -> b a")
 
 
+@_checks("debug_unwrap.tensor", "debug_unwrap.recurse")
+def _debug_unwrap_params():
+    x = _t(2, 3, 4)
+    plain = _t(4)
+    assert functrans.debug_unwrap(plain) is plain          # a plain tensor comes back unchanged
+    seen = {}
+
+    def inner(row):
+        seen["all"] = functrans.debug_unwrap(row)
+        seen["one"] = functrans.debug_unwrap(row, recurse=False)
+        return row
+
+    functrans.vmap(functrans.vmap(inner))(x)
+    assert type(seen["all"]) is torch.Tensor and seen["all"].shape == (2, 3, 4)
+    assert type(seen["one"]) is not torch.Tensor            # one level: still the outer wrapper
+    assert functrans.debug_unwrap(seen["one"]).shape == (2, 3, 4)
+
+
 # -- DP-SGD (functrans.nn) ----------------------------------------------------------------
 
 def _dp_setup():
