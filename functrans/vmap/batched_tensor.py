@@ -74,6 +74,17 @@ class BatchedTensor(torch.Tensor):
         return (f"BatchedTensor(level={self.level.id}, bdim={self.bdim}, "
                 f"value={self.value!r})")
 
+    # Note [a branch every example takes the same way]
+    # ``bool()`` of a one-element batched value is answered when every example gives the same
+    # answer: then a loop over the examples would take that branch for each of them, so taking
+    # it once for the batch computes exactly what the loop computes.  This is what input checks
+    # need (F.gaussian_nll_loss's ``if torch.any(var < 0): raise``, ``assert (p >= 0).all()``).
+    # When the examples disagree there is no single branch: the clear error below.  It costs a
+    # host sync, paid only where the alternative was an error.  For a nested vmap the lower
+    # level's ``bool()`` answers the same way, so the branch is taken only when every example
+    # of every level agrees.  ``.item()``, ``int()`` and ``float()`` stay errors: a number
+    # flows on into the computation, a branch does not.
+
     # Python-level conversions that cannot be batched: say so clearly.  Without these, an
     # example of more than one element would get eager's numel check ("a Tensor with 4
     # elements cannot be converted to Scalar"), which hides that vmap is the cause; a
@@ -83,6 +94,18 @@ class BatchedTensor(torch.Tensor):
         raise _python_value_error(".item()")
 
     def __bool__(self):
+        # See Note [a branch every example takes the same way].
+        if self.numel() == 1:
+            with torch.no_grad():
+                truth = self.value.ne(0)
+                if bool(truth.all()):
+                    return True
+                if not bool(truth.any()):
+                    return False
+            raise _python_value_error(
+                "bool(tensor)", "Python control flow on a tensor calls it: `if x:`, "
+                "`while x:`, `x and y`, `assert x`; here the examples of the batch disagree, "
+                "some True and some False")
         raise _python_value_error("bool(tensor)", "Python control flow on a tensor calls it: "
                                   "`if x:`, `while x:`, `x and y`, `assert x`")
 

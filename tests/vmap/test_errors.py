@@ -25,7 +25,9 @@ def test_item_and_bool_and_control_flow():
     raises(UnsupportedUnderVmap, r"\.item\(\).*torch\.where", lambda: vmap(lambda a: a.sum().item())(x))
     raises(UnsupportedUnderVmap, r"_local_scalar_dense.*torch\.where",
            lambda: vmap(lambda a: a if a.sum() > 0 else -a)(x))
-    raises(UnsupportedUnderVmap, "torch.where", lambda: vmap(lambda a: bool(a[0]))(x))
+    mixed = torch.tensor([[1., 2., 3.], [0., 1., 1.], [-1., 0., 2.], [2., 2., 2.]])
+    raises(UnsupportedUnderVmap, "disagree.*torch.where",
+           lambda: vmap(lambda a: a * 2 if a[0] else a)(mixed))
 
 
 @pytest.mark.parametrize("f", [lambda a: a.nonzero(), lambda a: a[a > 0],

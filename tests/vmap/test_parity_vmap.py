@@ -251,6 +251,8 @@ _CONVERSIONS = {
 def test_python_conversions_of_a_batched_value_name_vmap_and_the_fix(name, example_shape):
     f = _CONVERSIONS[name]
     x = torch.randn(3, *example_shape)
+    if name in ("bool", "if"):
+        x[1] = 0   # the examples disagree (a branch they all take the same way is taken)
     with pytest.raises(UnsupportedUnderVmap) as info:
         ft.vmap(f)(x)
     msg = str(info.value)
@@ -384,3 +386,33 @@ def test_debug_unwrap_inside_grad_under_vmap():
     assert_same(g, torch.func.vmap(torch.func.grad(lambda t: (t ** 2).sum()))(x))
     assert type(seen[0]) is torch.Tensor and seen[0].shape == (4, 3)
     assert_same(seen[0].detach(), x)
+
+
+@pytest.mark.parametrize("example_shape", [(1,), ()])
+def test_a_branch_every_example_takes_the_same_way_is_taken(example_shape):
+    # See Note [a branch every example takes the same way] in vmap/batched_tensor.py: the
+    # result is what the loop computes (torch.func refuses every branch on a batched value).
+    def f(a):
+        if (a > -10).all():
+            return a * 2
+        return a
+
+    def g(a):
+        if (a > 10).any():
+            return a * 2
+        return a - 1
+
+    x = torch.randn(5, *example_shape)
+    for fn in (f, g):
+        torch.testing.assert_close(ft.vmap(fn)(x), torch.stack([fn(e) for e in x]))
+        xs = torch.randn(2, 5, *example_shape)
+        torch.testing.assert_close(ft.vmap(ft.vmap(fn))(xs),
+                                   torch.stack([torch.stack([fn(e) for e in r]) for r in xs]))
+    # one example of one nested level disagrees: no single branch
+    xs = torch.zeros(2, 3, *example_shape)
+    xs[1, 2] = 20
+    with pytest.raises(UnsupportedUnderVmap, match="disagree"):
+        ft.vmap(ft.vmap(g))(xs)
+    # and a branch taken inside grad inside vmap
+    grads = ft.vmap(ft.grad(lambda a: f(a).sum()))(x)
+    torch.testing.assert_close(grads, torch.full_like(x, 2.))

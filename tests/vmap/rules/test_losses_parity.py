@@ -184,16 +184,22 @@ def test_loss_under_vmap_of_vmap(name):
     check_vmap(inner, batched, (0,) * len(args))
 
 
-def test_gaussian_nll_loss_is_refused_clearly():
-    """F.gaussian_nll_loss checks ``if torch.any(var < 0): raise`` in Python: under vmap that
-    is control flow on a per-example value, refused with functrans's own clear error (never a
-    PyTorch internal one), as torch.func refuses it.  A batched var is not supported yet."""
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_gaussian_nll_loss_with_a_batched_var(reduction):
+    """F.gaussian_nll_loss checks ``if torch.any(var < 0): raise`` in Python.  Every example
+    passes the check, so the branch is taken once for the batch (Note [a branch every example
+    takes the same way] in vmap/batched_tensor.py) and the loss batches."""
+    x, t, v = randn(3, 4), randn(3, 4, seed=1), rand(3, 4, seed=2) + 1.0  # > 0 when perturbed
+    f = lambda a, b, c: F.gaussian_nll_loss(a, b, c, reduction=reduction)  # noqa: E731
+    check_vmap(f, [x, t, v], (0, 0, 0))
+    check_vmap(f, [x[0], t[0], v[0, :1]], (0, 0, None))
+
+
+def test_gaussian_nll_loss_with_a_negative_var_in_one_example_is_refused_clearly():
     x, t, v = randn(3, 4), randn(3, 4, seed=1), rand(3, 4, seed=2) + 0.1
-    with pytest.raises(UnsupportedUnderVmap, match="converted to a Python number"):
+    v[1, 2] = -1.0   # eager raises for that example alone
+    with pytest.raises(UnsupportedUnderVmap, match="disagree"):
         ft.vmap(F.gaussian_nll_loss)(x, t, v)
-    # An unbatched var makes the check an ordinary unbatched one: that call batches.
-    check_vmap(lambda a, b, c: F.gaussian_nll_loss(a, b, c, reduction="none"),
-               [x[0], t[0], v[0, :1]], (0, 0, None))
 
 
 @pytest.mark.parametrize("in_dims", [0, 1])
