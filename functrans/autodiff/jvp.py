@@ -96,11 +96,22 @@ def jvp_impl(func, primals, tangents, has_aux, api):
     except ForwardModeAroundVmap:
         pass
     except (RuntimeError, NotImplementedError) as e:
-        if not _no_forward_formula(e):
+        if not (_no_forward_formula(e) or _tangent_layout_assert(e)):
             raise
     finally:
         _levels.release_forward_ad()
     return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api)
+
+
+def _tangent_layout_assert(e: BaseException) -> bool:
+    """PyTorch's internal assert for a forward-differentiable view whose tangent's layout
+    differs from its primal's.  Under vmap it fires when an UNBATCHED primal takes a lazy
+    ``.conj()`` view (``torch.fft.ifft``/``ihfft`` of a real input, ``hfft``) while its tangent
+    is batched (``vmap(jvp(f), in_dims=(None, 0))``, ``jacfwd``): the primal carries a conj bit,
+    the batched tangent's conj is materialised (Note [conjugate and negative bits] in
+    vmap/rules/autograd_ops.py), and forward AD refuses the pair.  The double-vjp route needs no
+    such pairing and is exact."""
+    return "has_fw_view" in str(e) and "same layout as primal" in str(e)
 
 
 def _no_forward_formula(e: BaseException) -> bool:
