@@ -150,3 +150,49 @@ def test_write_into_conj_copy_base_still_refused():
         return zc
     with pytest.raises(ft.UnsupportedUnderVmap, match="conj"):
         ft.vmap(f)(torch.randn(B, 4, dtype=torch.complex128))
+
+
+# quantile / nanquantile (CompositeImplicitAutograd): with a dispatch mode active (vmap pushes
+# one) ATen's quantile takes its in-place ``lerp_`` branch, whose tangent formula writes the
+# batched tangent of ``q`` into the unbatched tangent of the input; vmap refuses that write, and
+# jvp now takes the double-vjp route instead.
+QUANTILES = {
+    "quantile": lambda x, q: torch.quantile(x, q),
+    "nanquantile": lambda x, q: torch.nanquantile(x, q),
+    "quantile_dim": lambda x, q: torch.quantile(x, q, dim=1, keepdim=True),
+    "nanquantile_nearest": lambda x, q: torch.nanquantile(x, q, dim=0,
+                                                           interpolation="linear"),
+}
+
+
+@pytest.mark.parametrize("name", list(QUANTILES))
+@pytest.mark.parametrize("in_dims", [(None, None, None, 0), (None, None, 0, None),
+                                     (None, None, 0, 0), (None, 0, None, 0), (0, 0, 0, 0)])
+def test_quantile_vmap_jvp_matches_loop(name, in_dims):
+    f = QUANTILES[name]
+    x = perturb_like(torch.ones(3, 4, dtype=torch.float64), 5)
+    q = torch.tensor([0.03, 0.4, 0.9], dtype=torch.float64)
+    tx, tq = perturb_like(x, 6), perturb_like(q, 7)
+    base = (x, q, tx, tq)
+    args = [b if d is None else _examples(b, 70 + 10 * k) if k != 1 else
+            torch.stack([(q + 0.02 * i).clamp(0, 1) for i in range(B)])
+            for k, (b, d) in enumerate(zip(base, in_dims))]
+    out_p, out_t = ft.vmap(lambda a, b, c, d: ft.jvp(f, (a, b), (c, d)), in_dims=in_dims)(*args)
+    for i in range(B):
+        xi, qi, txi, tqi = [a if d is None else a[i].clone() for a, d in zip(args, in_dims)]
+        with fwAD.dual_level():
+            o = f(fwAD.make_dual(xi, txi), fwAD.make_dual(qi, tqi))
+            p, t = fwAD.unpack_dual(o)
+        torch.testing.assert_close(out_p[i], p)
+        torch.testing.assert_close(out_t[i], t)
+
+
+def test_users_own_write_into_unbatched_still_refused_under_jvp():
+    # The retry on the double-vjp route is for tangent formulas: a function that writes a
+    # batched value into an unbatched buffer itself still gets vmap's error.
+    def f(x):
+        buf = torch.zeros(3, dtype=x.dtype)
+        buf.copy_(x)
+        return buf
+    with pytest.raises(ft.UnsupportedUnderVmap, match="in-place operation"):
+        ft.vmap(lambda x, t: ft.jvp(f, (x,), (t,)))(torch.randn(B, 3), torch.randn(B, 3))
