@@ -20,7 +20,7 @@ import collections
 import sys
 import time
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
