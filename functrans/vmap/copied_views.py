@@ -31,13 +31,18 @@ LAZY_BIT = "bit"   # Note [conjugate and negative bits] in rules/autograd_ops.py
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
+    """The innermost storage's address; 0 for an empty storage (every empty storage has
+    address 0, and a write into one changes nothing, so it is never recorded or checked)."""
     from .batched_tensor import BatchedTensor
     while type(t) is BatchedTensor:  # a wrapper of an outer level: its innermost memory
         t = t.value
-    return t.untyped_storage().data_ptr()
+    s = t.untyped_storage()
+    return s.data_ptr() if s.nbytes() else 0
 
 
 def record(copy: torch.Tensor, base: torch.Tensor, kind: str = VIEW) -> None:
+    if not _storage_ptr(copy) or not _storage_ptr(base):
+        return  # empty: nothing a write could miss (and address 0 would match any empty one)
     _prune()
     _copies.append((weakref.ref(copy), _storage_ptr(copy), _storage_ptr(base), kind))
 
@@ -52,6 +57,8 @@ def check_write(op, target: torch.Tensor) -> None:
         return
     _prune()
     ptr = _storage_ptr(target)
+    if not ptr:
+        return
     for _, copy_ptr, base_ptr, kind in _copies:
         if ptr in (copy_ptr, base_ptr):
             raise UnsupportedUnderVmap(

@@ -154,7 +154,11 @@ def _out_rule(op, base, base_rule):
             out_dims = None if isinstance(out, torch.Tensor) else type(out)(None for _ in out)
         outs = [out] if isinstance(out, torch.Tensor) else list(out)
         odims = [out_dims] if isinstance(out, torch.Tensor) else list(out_dims)
-        if len(outs) != len(targets):
+        if len(outs) != len(targets) or any(
+                isinstance(o, torch.Tensor) and o.dtype != t.dtype
+                for o, t in zip(outs, targets)):
+            # An out= of another dtype: eager's rules differ by op (a cast for some, an error
+            # for others, e.g. gather, aminmax, complex): the loop runs eager's per example.
             raise Decline()
         _write(op, info, outs, odims, targets, dims, is_out=True)
         if len(targets) == 1:

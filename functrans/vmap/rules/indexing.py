@@ -448,6 +448,11 @@ def masked_fill_tensor_rule(info, in_dims, x, mask, value):
         return aten.masked_fill.Tensor(X, M, value), 0
     if value.dim() != 1 or mask.dtype != torch.bool:
         raise Decline()  # eager requires a 0-d value
+    if value.dtype != X.dtype and torch.promote_types(value.dtype, X.dtype) != X.dtype:
+        # Eager converts each value with an overflow check (a complex value with an imaginary
+        # part, or an out-of-range one, into an integer tensor raises); .to() would drop the
+        # imaginary part or wrap silently.  The loop runs eager's conversion per example.
+        raise Decline()
     V = move_bdim_to_front(value, in_dims[2]).to(X.dtype)
     out = torch.where(M, pad_to_rank(V, X.dim() - 1), X)
     return out, 0

@@ -39,9 +39,23 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..helpers import ensure_bdim_front, move_bdim_to_front, normalize_dim, physical_dim
-from ..registry import register_batch_rule
+from ..registry import Decline, register_batch_rule
 
 aten = torch.ops.aten
+
+# Reductions that eager refuses over an empty dim (no identity: "Expected reduction dim to be
+# specified for input.numel() == 0", "cannot compute aminmax over an empty dimension", ...).
+# The physical call over a batch of empty examples checks other dims and raises a different
+# error (an IndexError where eager raises a RuntimeError, or none at all), so an empty example
+# goes to the loop, which gives eager's answer: its error or its (empty) result.
+_REFUSES_EMPTY = frozenset({aten.amax.default, aten.amin.default, aten.aminmax.default,
+                            aten.max.dim, aten.min.dim, aten.argmax.default,
+                            aten.argmin.default, aten.median.dim, aten.nanmedian.dim,
+                            aten.mode.default, aten.kthvalue.default})
+
+
+def _empty_example(x: torch.Tensor, bdim: int) -> bool:
+    return x.numel() == 0 and x.shape[bdim] != 0
 
 
 _signatures: Dict[Any, Tuple[List[str], Dict[str, Any], bool]] = {}
@@ -122,8 +136,11 @@ def _dims_rule(op, empty_means_all: bool = True):
     # for the common call: a non-empty dim list, positional arguments, examples of rank >= 1.
     positional = names[:2] == ["dim", "keepdim"]
     call = getattr(op, "_op", op)
+    refuses_empty = op in _REFUSES_EMPTY
 
     def rule(info, in_dims, x, *args, **kwargs):
+        if refuses_empty and _empty_example(x, in_dims[0]):
+            raise Decline()
         if positional and args and not kwargs and x.dim() > 1:
             dim = args[0]
             if isinstance(dim, int):
@@ -189,7 +206,11 @@ def _reduce_one(op, x, bdim, params):
 
 
 def _one_dim_rule(op):
+    refuses_empty = op in _REFUSES_EMPTY
+
     def rule(info, in_dims, x, *args, **kwargs):
+        if refuses_empty and _empty_example(x, in_dims[0]):
+            raise Decline()
         return _reduce_one(op, x, in_dims[0], _params(op, args, kwargs))
     rule.__name__ = f"reduce_one_dim_rule[{op}]"
     return rule
