@@ -34,12 +34,6 @@ B = 2
 # (op id, case index) -> why vmap cannot raise eager's error there.  Each entry is checked: the
 # case must still return a result under vmap (a strict xfail), so a fixed case shows up here.
 KNOWN_GAPS: Dict[Tuple[str, int], str] = {
-    ("narrow_copy", 1): "an out-of-range dim: rules/views.py's narrow_copy_rule translates the "
-                        "dim with physical_dim, which raises IndexError('Dimension out of "
-                        "range'), where eager's TORCH_CHECK raises RuntimeError. The error is "
-                        "clear, only its type differs; the fix (route a dim outside "
-                        "[-rank, rank) through _check_logical, as for rank 0) belongs to "
-                        "views.py, which this change does not own.",
 }
 
 
@@ -145,16 +139,6 @@ def test_sweep_covers_op_db():
 def test_error_inputs_raise_under_vmap(op):
     failures = _check_op(op, nested=True)
     assert not failures, "\n".join(failures)
-
-
-@pytest.mark.parametrize("key", [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=why))
-                                 for k, why in KNOWN_GAPS.items()],
-                         ids=[f"{n}-case{k}" for n, k in KNOWN_GAPS])
-def test_known_gap(key):
-    name, k = key
-    (op,) = [op for op in _ops_with_error_inputs() if op_id(op) == name]
-    outcomes = [run_case(op, cases_of(op)[k], nest)[0] for nest in (False, True)]
-    assert outcomes == ["pass", "pass"], outcomes
 
 
 def test_masked_fill_complex_value_into_int_raises():
