@@ -6,6 +6,11 @@
   every op tagged ``dynamic_output_shape``) cannot be stacked into one tensor;
 * ops tagged ``data_dependent_output`` that return Python values (``equal``...).
 
+``torch.equal`` is answered when every example gives the same answer (that Python bool is then
+each example's own answer, so code branching on it does what a loop would); when the examples
+disagree it raises.  ATen's own checks use it (``is_scalar_tensor_true``: ``torch.cov``'s weight
+checks and its ``norm_factor <= 0`` branch), so those run under vmap.
+
 ``nonzero_static`` is the exception that batches: its output shape is fixed by ``size``.
 """
 from __future__ import annotations
@@ -96,3 +101,36 @@ def nonzero_static_rule(info, in_dims, x, *, size, fill_value=-1):
     if size > k:
         out = torch.cat([out, out.new_full((B, size - k, len(shape)), fill_value)], 1)
     return out, 0
+
+
+def _bool_of(flags: torch.Tensor, value: bool) -> bool:
+    """Whether every element of ``flags`` (this level's per-example answers, possibly batched
+    at lower levels) equals ``value``: itself a ``torch.equal``, so a lower level answers it
+    by this same rule."""
+    target = torch.full_like(flags, value)
+    return bool(torch.equal(flags, target))
+
+
+@register_batch_rule(aten.equal.default)
+def equal_rule(info, in_dims, a, b):
+    """``torch.equal`` per example; the common answer if all examples agree, else an error."""
+    from ..helpers import ensure_bdim_front
+    la = a.shape[:in_dims[0]] + a.shape[in_dims[0] + 1:] if in_dims[0] is not None else a.shape
+    lb = b.shape[:in_dims[1]] + b.shape[in_dims[1] + 1:] if in_dims[1] is not None else b.shape
+    if la != lb:
+        return False, None  # the logical shapes differ: False for every example
+    n = info.batch_size
+    pa = ensure_bdim_front(a, in_dims[0], n).reshape(n, -1)
+    pb = ensure_bdim_front(b, in_dims[1], n).reshape(n, -1)
+    per_example = (pa == pb).all(1)
+    if _bool_of(per_example, True):
+        return True, None
+    if _bool_of(per_example, False):
+        return False, None
+    raise UnsupportedUnderVmap(
+        "vmap: torch.equal (aten.equal, also used by PyTorch's own checks such as "
+        "torch.cov's) gives True for some examples and False for others, and one Python bool "
+        "cannot stand for both. Compare with tensor ops instead and keep the result as a "
+        "tensor: (a == b).all(), then torch.where(...) on it; for torch.cov, make every "
+        "example's weights pass the same checks (non-negative, non-zero sum) and its "
+        "degrees of freedom (sum of weights - correction) either all positive or all <= 0.")
