@@ -53,15 +53,13 @@ class BatchedTensor(torch.Tensor):
     def __init__(self, value, bdim, level):  # state is set in __new__
         if value.dim() == 1 and value.dtype in _INDEX_DTYPES:  # logically 0-d: maybe an index
             self._torch_function = _scalar_index_torch_function
-        elif value.dim() == 2 and value.dtype in _INDEX_DTYPES:  # logically 1-D: split points?
-            self._torch_function = _index_vector_torch_function
 
     # ``__torch_function__`` is disabled (PyTorch's fast path) on every wrapper except the
-    # logically 0-d and 1-D integer/bool ones: Python indexing calls ``.item()`` on a 0-d
-    # integer index (x[k]), which has no per-example answer, so those wrappers intercept
-    # ``__getitem__`` / ``__setitem__`` (see ``_scalar_index_torch_function``); and
-    # ``torch.narrow`` / ``torch.tensor_split`` read a tensor start / split points as Python
-    # integers inside ATen, before any dispatch (see ``rules/slicing.py``).  PyTorch's C++ check looks the
+    # logically 0-d integer/bool ones: Python indexing calls ``.item()`` on a 0-d integer index
+    # (x[k]), which has no per-example answer, so those wrappers intercept ``__getitem__`` /
+    # ``__setitem__`` (see ``_scalar_index_torch_function``), and ``torch.narrow`` /
+    # ``torch.tensor_split``, which read a 0-d tensor start / sections as a Python integer
+    # inside ATen, before any dispatch (see ``rules/slicing.py``).  PyTorch's C++ check looks the
     # attribute up on the instance (here a C-level property + attrgetter), and every other
     # wrapper answers PyTorch's disabled impl, so ordinary ops keep the fast path.  Looked up on
     # the class the property is "enabled", so torch.overrides' Python helpers route a call with
@@ -128,26 +126,16 @@ def _scalar_index_torch_function(func, types, args=(), kwargs=None):
         if out is not NotImplemented:
             return out
     elif func in _SLICING_FUNCS:
-        return _index_vector_torch_function(func, types, args, kwargs)
-    return _disabled_torch_function(func, types, args, kwargs or {})
-
-
-_SLICING_FUNCS = frozenset({torch.narrow, torch.Tensor.narrow, torch.tensor_split,
-                            torch.Tensor.tensor_split})
-
-
-def _index_vector_torch_function(func, types, args=(), kwargs=None):
-    """``__torch_function__`` of a logically 1-D integer/bool wrapper (and the slicing part of
-    the 0-d one's): ``torch.narrow`` / ``torch.tensor_split`` with a batched tensor start or
-    split points go to rules/slicing.py; everything else runs as with torch function
-    disabled."""
-    if func in _SLICING_FUNCS:
         from .rules.slicing import handle
         with torch._C.DisableTorchFunctionSubclass():
             out = handle(func, args, kwargs or {})
         if out is not NotImplemented:
             return out
     return _disabled_torch_function(func, types, args, kwargs or {})
+
+
+_SLICING_FUNCS = frozenset({torch.narrow, torch.Tensor.narrow, torch.tensor_split,
+                            torch.Tensor.tensor_split})
 
 
 from .dispatch import dispatch as _dispatch  # noqa: E402  (circular: dispatch needs the class)

@@ -3,9 +3,11 @@
 
 Both ops are CompositeImplicitAutograd: ATen turns the tensor argument into a Python integer
 (``start.item()``, or a raw read of the index tensor's data) before anything reaches
-``__torch_dispatch__``, so no batching rule can see them.  A logically 0-d or 1-D integer
+``__torch_dispatch__``, so no batching rule can see them.  A logically 0-d integer
 BatchedTensor answers ``__torch_function__`` (see ``batched_tensor.py``), and sends these two
-calls here first:
+calls here first (a 1-D tensor of split points has no such hook, which would slow every op on
+batched integer vectors: ATen's raw read of its memory fails, and ``vmap`` turns that failure
+into a clear error, see ``api._raw_data_error``):
 
 * ``torch.narrow(x, dim, start, length)`` with a batched 0-d ``start``: every example keeps
   ``length`` elements, so the result has one shape; it is ``index_select`` of
@@ -14,7 +16,7 @@ calls here first:
   recorded in ``copied_views`` so that an in-place write into it (or into ``x``) while it lives
   raises instead of silently not reaching the other tensor.  Out-of-range starts raise eager's
   error (checked once on all the examples' starts).
-* ``torch.tensor_split(x, indices_or_sections)`` with batched split points: the pieces' shapes
+* ``torch.tensor_split(x, sections)`` with a batched 0-d ``sections``: the pieces' shapes
   depend on each example's values, so they cannot be stacked: a clear error says so and what to
   do (an unbatched tensor or a Python list of split points batches fine).
 """
