@@ -121,9 +121,10 @@ ENTRIES = [
     _e("torch_tensor_of_batched", "`torch.tensor([...])` built from batched elements",
        """
        ft.vmap(lambda a: torch.tensor([a[0], a[1]]))(x)
-       """, RuntimeError, r"data is not allocated", (), what=NO, which=NO, fix=NO,
-       note="PyTorch's raw internal error: torch.tensor() copies the elements in C++ without "
-            "dispatching, so no functrans hook sees it. Use torch.stack([a[0], a[1]]).",
+       """, U, r"read the values of a batched tensor directly.*torch\.stack",
+       ("torch.tensor([...])", "torch.stack([...])"),
+       note="torch.tensor() copies the elements in C++ without dispatching, so no rule sees "
+            "it; vmap turns PyTorch's raw 'data is not allocated' error into this one.",
        torch_func=_ITEM_TF),
     _e("data_dependent_shape", "boolean-mask indexing (`x[x > 0]`): a data-dependent shape",
        """

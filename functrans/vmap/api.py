@@ -213,19 +213,22 @@ def _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size, ra
 
 
 # PyTorch's message when C++ code reads the memory of a tensor that has none (a wrapper
-# subclass such as a BatchedTensor): ATen does that without dispatching, e.g. for
-# torch.tensor_split's 1-D tensor of split points, so no rule can see it.
+# subclass such as a BatchedTensor): ATen does that without dispatching, e.g. in torch.tensor()
+# of batched elements or for torch.tensor_split's 1-D tensor of split points, so no rule can
+# see it.
 _RAW_DATA_READ = "data is not allocated yet"
 
 
 def _raw_data_error(api) -> UnsupportedUnderVmap:
     return UnsupportedUnderVmap(
         f"{api}: a PyTorch function read the values of a batched tensor directly, as Python "
-        "numbers, before any batching rule could see the call (ATen does this for the split "
-        "points of torch.tensor_split(x, tensor_of_indices) and for a few other arguments "
-        "that must be Python integers). Under vmap that tensor differs per example, so it has "
-        "no single value. Pass such arguments as Python ints/lists, or as tensors that are "
-        "not mapped over (in_dims=None for them, or created inside the function).")
+        "numbers, before any batching rule could see the call. ATen does this in "
+        "torch.tensor([...]) / torch.as_tensor built from batched elements (use "
+        "torch.stack([...]) instead), for the split points of "
+        "torch.tensor_split(x, tensor_of_indices), and for a few other arguments that must be "
+        "Python integers (pass those as Python ints/lists, or as tensors that are not mapped "
+        "over: in_dims=None for them, or created inside the function). Under vmap the batched "
+        "tensor differs per example, so it has no single value.")
 
 
 def _unwrap_outputs(out, out_dims, level, api):

@@ -42,6 +42,19 @@ _INDEXING_OWNS = {"index", "_unsafe_index", "index_put", "index_put_", "_index_p
                   "_index_put_impl_", "_unsafe_index_put"}
 
 
+# Where a user meets these ops without calling them: gradient formulas (vmap∘vjp, per-example
+# gradients) that PyTorch's autograd runs on the batched index.
+_BACKWARD_HINTS = {
+    "_unique": " It is also reached by the gradient of index_fill(dim, index, value) with "
+               "respect to a tensor value when the index differs per example; there, build "
+               "the result with a fixed-shape mask: mask = torch.zeros_like(x, dtype="
+               "torch.bool).index_fill(dim, index, True); torch.where(mask, value, x).",
+    "index": " It is also reached by the gradient of index_put / x[mask] = v with respect to "
+             "the values when the boolean mask differs per example; there, write with "
+             "torch.where(mask, v, x) (v broadcast to x's shape) instead.",
+}
+
+
 def dynamic_shape_error(op) -> UnsupportedUnderVmap:
     return UnsupportedUnderVmap(
         f"vmap: {op} returns a tensor whose shape depends on the values of its input, so "
@@ -49,7 +62,7 @@ def dynamic_shape_error(op) -> UnsupportedUnderVmap:
         "batched tensor. Use a fixed-shape formulation instead: torch.where(mask, x, 0) "
         "instead of x[mask] / masked_select, a mask multiplied in instead of nonzero(), "
         "or pad to a known size (e.g. nonzero_static / torch.unique(..., sorted) outside "
-        "vmap).")
+        "vmap)." + _BACKWARD_HINTS.get(op.overloadpacket.__name__, ""))
 
 
 def _dynamic_shape_rule_for(op):

@@ -216,17 +216,36 @@ def test_index_fill_and_index_put_with_batched_indices_under_vmap_vjp():
     # a clear error (torch.func loops and fails to stack)
     v = torch.tensor(0.5)
     fill = lambda x, v, i: torch.index_fill(x, 1, i, v)
-    with pytest.raises(UnsupportedUnderVmap, match="shape depends on the values") as e:
+    with pytest.raises(UnsupportedUnderVmap, match="gradient of index_fill") as e:
         ft.vmap(lambda x, v, i, c: ft.vjp(lambda a, b: fill(a, b, i), x, v)[1](c),
                 in_dims=(0, None, 0, 0))(xs, v, idx, cts)
     _no_internal_text(e.value)
+    # the fixed-shape formulation the error suggests batches, and matches a loop of autograd
+    def fill_where(x, v, i):
+        mask = torch.zeros_like(x, dtype=torch.bool).index_fill(1, i, True)
+        return torch.where(mask, v, x)
+    vs = torch.tensor([0.5, -1.0, 2.0])
+    got = ft.vmap(lambda x, v, i, c: ft.vjp(lambda a, b: fill_where(a, b, i), x, v)[1](c))(
+        xs, vs, idx, cts)
+    for k in range(3):
+        a, b = xs[k].clone().requires_grad_(), vs[k].clone().requires_grad_()
+        ref = torch.autograd.grad(fill(a, b, idx[k]), (a, b), cts[k])
+        assert_same(tuple(t[k] for t in got), ref)
     # index_put with a per-example boolean mask: the values' gradient is grad[mask]
     masks = torch.tensor([[True, False, True], [False, True, True], [True, True, False]])
     put = lambda x, v, m: x.index_put((m,), v)
-    with pytest.raises(UnsupportedUnderVmap, match="shape depends on the values") as e:
+    with pytest.raises(UnsupportedUnderVmap, match="torch.where.mask, v, x.") as e:
         ft.vmap(lambda x, m, c: ft.vjp(lambda a, b: put(a, b, m), x, torch.ones(5))[1](c))(
             xs, masks, cts)
     _no_internal_text(e.value)
+    # ... and the suggested torch.where form batches and matches a loop of autograd
+    put_where = lambda x, v, m: torch.where(m.unsqueeze(-1), v, x)
+    got = ft.vmap(lambda x, m, c: ft.vjp(lambda a, b: put_where(a, b, m), x, torch.ones(5))[1](
+        c))(xs, masks, cts)
+    for k in range(3):
+        a, b = xs[k].clone().requires_grad_(), torch.ones(5, requires_grad=True)
+        ref = torch.autograd.grad(put(a, b, masks[k]), (a, b), cts[k])
+        assert_same(tuple(t[k] for t in got), ref)
 
 
 # --------------------------------------------------------------------------------------------
