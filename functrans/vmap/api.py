@@ -181,35 +181,17 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
             f"{api}: mapped inputs disagree on batch size:\n{detail}\nAll mapped dims must "
             "have the same size; use in_dim None for an input shared by every example.")
 
-    if chunk_size is None or chunk_size >= batch_size:
-        flat_out, out_spec = _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims,
-                                  batch_size, randomness, api)
-        return tree_unflatten(flat_out, out_spec)
-    return _run_chunked(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size,
-                        randomness, chunk_size, api)
-
-
-def _resolve_bits(x: torch.Tensor) -> torch.Tensor:
-    """See Note [conjugate and negative bits] in rules/autograd_ops.py."""
-    if x.is_conj():
-        x = x.resolve_conj()
-    if x.is_neg():
-        x = x.resolve_neg()
-    return x
-
-
-def _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size, randomness, api):
-    level = _levels.VmapLevel(batch_size, randomness)
-    with _levels.pushed(level), VmapRandomMode(level):
-        batched = [a if d is None else BatchedTensor(_resolve_bits(a), d, level)
-                   for a, d in zip(flat_args, flat_dims)]
-        try:
-            out = func(*tree_unflatten(batched, args_spec), **kwargs)
-        except RuntimeError as e:
-            if _RAW_DATA_READ in str(e) and not isinstance(e, UnsupportedUnderVmap):
-                raise _raw_data_error(api) from None
-            raise
-        return _unwrap_outputs(out, out_dims, level, api)
+    try:
+        if chunk_size is None or chunk_size >= batch_size:
+            flat_out, out_spec = _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims,
+                                      batch_size, randomness, api)
+            return tree_unflatten(flat_out, out_spec)
+        return _run_chunked(func, flat_args, flat_dims, args_spec, kwargs, out_dims,
+                            batch_size, randomness, chunk_size, api)
+    except RuntimeError as e:
+        if _RAW_DATA_READ in str(e) and not isinstance(e, UnsupportedUnderVmap):
+            raise _raw_data_error(api) from None
+        raise
 
 
 # PyTorch's message when C++ code reads the memory of a tensor that has none (a wrapper
@@ -229,6 +211,24 @@ def _raw_data_error(api) -> UnsupportedUnderVmap:
         "Python integers (pass those as Python ints/lists, or as tensors that are not mapped "
         "over: in_dims=None for them, or created inside the function). Under vmap the batched "
         "tensor differs per example, so it has no single value.")
+
+
+def _resolve_bits(x: torch.Tensor) -> torch.Tensor:
+    """See Note [conjugate and negative bits] in rules/autograd_ops.py."""
+    if x.is_conj():
+        x = x.resolve_conj()
+    if x.is_neg():
+        x = x.resolve_neg()
+    return x
+
+
+def _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size, randomness, api):
+    level = _levels.VmapLevel(batch_size, randomness)
+    with _levels.pushed(level), VmapRandomMode(level):
+        batched = [a if d is None else BatchedTensor(_resolve_bits(a), d, level)
+                   for a, d in zip(flat_args, flat_dims)]
+        out = func(*tree_unflatten(batched, args_spec), **kwargs)
+        return _unwrap_outputs(out, out_dims, level, api)
 
 
 def _unwrap_outputs(out, out_dims, level, api):

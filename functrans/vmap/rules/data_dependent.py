@@ -6,11 +6,6 @@
   every op tagged ``dynamic_output_shape``) cannot be stacked into one tensor;
 * ops tagged ``data_dependent_output`` that return Python values (``equal``...).
 
-``torch.equal`` is answered when every example gives the same answer (that Python bool is then
-each example's own answer, so code branching on it does what a loop would); when the examples
-disagree it raises.  ATen's own checks use it (``is_scalar_tensor_true``: ``torch.cov``'s weight
-checks and its ``norm_factor <= 0`` branch), so those run under vmap.
-
 ``nonzero_static`` is the exception that batches: its output shape is fixed by ``size``.
 """
 from __future__ import annotations
@@ -42,19 +37,6 @@ _INDEXING_OWNS = {"index", "_unsafe_index", "index_put", "index_put_", "_index_p
                   "_index_put_impl_", "_unsafe_index_put"}
 
 
-# Where a user meets these ops without calling them: gradient formulas (vmap∘vjp, per-example
-# gradients) that PyTorch's autograd runs on the batched index.
-_BACKWARD_HINTS = {
-    "_unique": " It is also reached by the gradient of index_fill(dim, index, value) with "
-               "respect to a tensor value when the index differs per example; there, build "
-               "the result with a fixed-shape mask: mask = torch.zeros_like(x, dtype="
-               "torch.bool).index_fill(dim, index, True); torch.where(mask, value, x).",
-    "index": " It is also reached by the gradient of index_put / x[mask] = v with respect to "
-             "the values when the boolean mask differs per example; there, write with "
-             "torch.where(mask, v, x) (v broadcast to x's shape) instead.",
-}
-
-
 def dynamic_shape_error(op) -> UnsupportedUnderVmap:
     return UnsupportedUnderVmap(
         f"vmap: {op} returns a tensor whose shape depends on the values of its input, so "
@@ -62,7 +44,7 @@ def dynamic_shape_error(op) -> UnsupportedUnderVmap:
         "batched tensor. Use a fixed-shape formulation instead: torch.where(mask, x, 0) "
         "instead of x[mask] / masked_select, a mask multiplied in instead of nonzero(), "
         "or pad to a known size (e.g. nonzero_static / torch.unique(..., sorted) outside "
-        "vmap)." + _BACKWARD_HINTS.get(op.overloadpacket.__name__, ""))
+        "vmap).")
 
 
 def _dynamic_shape_rule_for(op):
@@ -126,7 +108,11 @@ def _bool_of(flags: torch.Tensor, value: bool) -> bool:
 
 @register_batch_rule(aten.equal.default)
 def equal_rule(info, in_dims, a, b):
-    """``torch.equal`` per example; the common answer if all examples agree, else an error."""
+    """``torch.equal`` (tagged ``data_dependent_output``) is answered when every example gives
+    the same answer: that Python bool is then each example's own answer, so code branching on
+    it does what a loop would (the same reasoning as ``bool()`` of a batched value).  When the
+    examples disagree it raises.  ATen's own checks use it (``is_scalar_tensor_true``:
+    ``torch.cov``'s weight checks and its ``norm_factor <= 0`` branch), so those run."""
     from ..helpers import ensure_bdim_front
     la = a.shape[:in_dims[0]] + a.shape[in_dims[0] + 1:] if in_dims[0] is not None else a.shape
     lb = b.shape[:in_dims[1]] + b.shape[in_dims[1] + 1:] if in_dims[1] is not None else b.shape
