@@ -185,12 +185,36 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
             f"{api}: mapped inputs disagree on batch size:\n{detail}\nAll mapped dims must "
             "have the same size; use in_dim None for an input shared by every example.")
 
-    if chunk_size is None or chunk_size >= batch_size:
-        flat_out, out_spec = _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims,
-                                  batch_size, randomness, api)
-        return tree_unflatten(flat_out, out_spec)
-    return _run_chunked(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size,
-                        randomness, chunk_size, api)
+    try:
+        if chunk_size is None or chunk_size >= batch_size:
+            flat_out, out_spec = _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims,
+                                      batch_size, randomness, api)
+            return tree_unflatten(flat_out, out_spec)
+        return _run_chunked(func, flat_args, flat_dims, args_spec, kwargs, out_dims,
+                            batch_size, randomness, chunk_size, api)
+    except RuntimeError as e:
+        if _RAW_DATA_READ in str(e) and not isinstance(e, UnsupportedUnderVmap):
+            raise _raw_data_error(api) from None
+        raise
+
+
+# PyTorch's message when C++ code reads the memory of a tensor that has none (a wrapper
+# subclass such as a BatchedTensor): ATen does that without dispatching, e.g. in torch.tensor()
+# of batched elements or for torch.tensor_split's 1-D tensor of split points, so no rule can
+# see it.
+_RAW_DATA_READ = "data is not allocated yet"
+
+
+def _raw_data_error(api) -> UnsupportedUnderVmap:
+    return UnsupportedUnderVmap(
+        f"{api}: a PyTorch function read the values of a batched tensor directly, as Python "
+        "numbers, before any batching rule could see the call. ATen does this in "
+        "torch.tensor([...]) / torch.as_tensor built from batched elements (use "
+        "torch.stack([...]) instead), for the split points of "
+        "torch.tensor_split(x, tensor_of_indices), and for a few other arguments that must be "
+        "Python integers (pass those as Python ints/lists, or as tensors that are not mapped "
+        "over: in_dims=None for them, or created inside the function). Under vmap the batched "
+        "tensor differs per example, so it has no single value.")
 
 
 def _resolve_bits(x: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,9 @@ class BatchedTensor(torch.Tensor):
     # ``__torch_function__`` is disabled (PyTorch's fast path) on every wrapper except the
     # logically 0-d integer/bool ones: Python indexing calls ``.item()`` on a 0-d integer index
     # (x[k]), which has no per-example answer, so those wrappers intercept ``__getitem__`` /
-    # ``__setitem__`` (see ``_scalar_index_torch_function``).  PyTorch's C++ check looks the
+    # ``__setitem__`` (see ``_scalar_index_torch_function``), and ``torch.narrow`` /
+    # ``torch.tensor_split``, which read a 0-d tensor start / sections as a Python integer
+    # inside ATen, before any dispatch (see ``rules/slicing.py``).  PyTorch's C++ check looks the
     # attribute up on the instance (here a C-level property + attrgetter), and every other
     # wrapper answers PyTorch's disabled impl, so ordinary ops keep the fast path.  Looked up on
     # the class the property is "enabled", so torch.overrides' Python helpers route a call with
@@ -226,7 +228,17 @@ def _scalar_index_torch_function(func, types, args=(), kwargs=None):
                 out = setitem_with_batched_scalars(*args)
         if out is not NotImplemented:
             return out
+    elif func in _SLICING_FUNCS:
+        from .rules.slicing import handle
+        with torch._C.DisableTorchFunctionSubclass():
+            out = handle(func, args, kwargs or {})
+        if out is not NotImplemented:
+            return out
     return _disabled_torch_function(func, types, args, kwargs or {})
+
+
+_SLICING_FUNCS = frozenset({torch.narrow, torch.Tensor.narrow, torch.tensor_split,
+                            torch.Tensor.tensor_split})
 
 
 from .dispatch import dispatch as _dispatch  # noqa: E402  (circular: dispatch needs the class)

@@ -28,6 +28,7 @@ _copies: List[Tuple[weakref.ref, int, int, str]] = []
 
 VIEW = "view"      # Note [view after moving the bdim]
 LAZY_BIT = "bit"   # Note [conjugate and negative bits] in rules/autograd_ops.py
+NARROW = "narrow"  # narrow with a batched start: rules/slicing.py
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -79,4 +80,9 @@ _WHY = {
               "the bit cannot be carried on a batched tensor, so the write would not reach the "
               "other tensor. Write into the original tensor and take .conj() afterwards, or "
               "compute out of place (e.g. y = x.conj() * 2).",
+    NARROW: "the result of torch.narrow with a batched (per-example) start. In eager that "
+            "result is a view; under vmap every example starts at its own offset, so it is a "
+            "copy, and the write would not reach the other tensor. Write into the original "
+            "tensor out of place (e.g. with torch.where and a mask built from torch.arange), "
+            "or narrow with an unbatched start.",
 }

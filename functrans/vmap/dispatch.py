@@ -238,12 +238,37 @@ def _inplace_view(op, args, kwargs, level):
             "out-of-place counterpart for it under vmap. Use the out-of-place version "
             "(e.g. x = x.unsqueeze(0) instead of x.unsqueeze_(0)).")
     result = functional(*args, **kwargs)
+    try:
+        with torch._C._DisableTorchDispatch():
+            torch.Tensor.as_strided_(self_, result.shape, result.stride())
+    except RuntimeError as e:
+        if name not in ("resize", "resize_as"):
+            raise
+        raise UnsupportedUnderVmap(
+            f"vmap: {op} would grow a batched tensor from {tuple(self_.shape)} to "
+            f"{tuple(result.shape)} elements per example. Under vmap a batched tensor cannot "
+            "grow its storage in place. Create a tensor of the new shape instead, e.g. "
+            "x.new_zeros(shape) (then copy into it), or resize outside vmap.") from None
     self_.value, self_.bdim = result.value, result.bdim
-    with torch._C._DisableTorchDispatch():
-        torch.Tensor.as_strided_(self_, result.shape, result.stride())
     return self_
 
 
+def _resize_as_(op, args, kwargs, level):
+    """``x.resize_as_(other)``: only ``other``'s logical shape is read, so a batched ``other``
+    with an unbatched ``x`` is one shared resize of ``x`` (no batched value is written); a
+    batched ``x`` whose shape already matches is left as it is (eager's no-op).  Anything else
+    takes the general in-place-view path (None: not handled here)."""
+    self_, other = args[0], args[1]
+    fmt = kwargs.get("memory_format", args[2] if len(args) > 2 else None)
+    if fmt not in (None, torch.contiguous_format):
+        return None
+    if type(self_) is _BT and self_.level is level:
+        return self_ if tuple(self_.shape) == tuple(other.shape) and fmt is None else None
+    torch.ops.aten.resize_.default(self_, list(other.shape))
+    return self_
+
+
+_RESIZE_AS_ = torch.ops.aten.resize_as_.default
 _fw_grad_enabled = torch._C._is_fwd_grad_enabled
 _set_fw_grad_enabled = torch._C._set_fwd_grad_enabled
 _inference_mode = torch.is_inference_mode_enabled
@@ -376,6 +401,10 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], meta: _OpMeta = 
     # tensors are possible (batch norm's running stats: none in eval mode, one shared update
     # for an unbatched input); the fallback still gets the generic check.
     rule_checks = meta.rule_checks_inplace and not kw_batched
+    if op is _RESIZE_AS_:
+        out = _resize_as_(op, args, kwargs, level)
+        if out is not None:
+            return out
     if meta.checked:
         if meta.mutable_pos or meta.mutable_kw:
             if copied_views._copies:

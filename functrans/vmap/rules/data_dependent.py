@@ -2,7 +2,9 @@
 
 * ``.item()`` / ``bool()`` / ``int()`` / Python control flow on a batched value all reach
   ``aten._local_scalar_dense``: one Python value cannot stand for a whole batch (an error);
-* ops tagged ``data_dependent_output`` that return Python values (``equal``...): an error;
+* ops tagged ``data_dependent_output`` that return Python values: an error, except
+  ``equal``, answered when every example gives the same answer (``equal_rule``; the same
+  reasoning as Note [a branch every example takes the same way] in ``batched_tensor.py``);
 * ops whose output shape depends on the data (``nonzero``, ``bincount``, ``unique*``,
   ``repeat_interleave`` with tensor repeats, ``masked_select`` with a batched mask, and the ops
   tagged ``dynamic_output_shape`` whose shape is static in practice: ``linalg_lstsq``,
@@ -138,3 +140,40 @@ def masked_select_rule(info, in_dims, x, mask):
     X = X.reshape(X.shape[:1] + (1,) * (len(shape) - (X.dim() - 1)) + X.shape[1:])
     X = X.expand(X.shape[0], *shape)
     return X[:, mask.expand(shape)], 0
+
+
+def _bool_of(flags: torch.Tensor, value: bool) -> bool:
+    """Whether every element of ``flags`` (this level's per-example answers, possibly batched
+    at lower levels) equals ``value``: itself a ``torch.equal``, so a lower level answers it
+    by this same rule."""
+    target = torch.full_like(flags, value)
+    return bool(torch.equal(flags, target))
+
+
+@register_batch_rule(aten.equal.default)
+def equal_rule(info, in_dims, a, b):
+    """``torch.equal`` (tagged ``data_dependent_output``) is answered when every example gives
+    the same answer: that Python bool is then each example's own answer, so code branching on
+    it does what a loop would (the same reasoning as ``bool()`` of a batched value).  When the
+    examples disagree it raises.  ATen's own checks use it (``is_scalar_tensor_true``:
+    ``torch.cov``'s weight checks and its ``norm_factor <= 0`` branch), so those run."""
+    from ..helpers import ensure_bdim_front
+    la = a.shape[:in_dims[0]] + a.shape[in_dims[0] + 1:] if in_dims[0] is not None else a.shape
+    lb = b.shape[:in_dims[1]] + b.shape[in_dims[1] + 1:] if in_dims[1] is not None else b.shape
+    if la != lb:
+        return False, None  # the logical shapes differ: False for every example
+    n = info.batch_size
+    pa = ensure_bdim_front(a, in_dims[0], n).reshape(n, -1)
+    pb = ensure_bdim_front(b, in_dims[1], n).reshape(n, -1)
+    per_example = (pa == pb).all(1)
+    if _bool_of(per_example, True):
+        return True, None
+    if _bool_of(per_example, False):
+        return False, None
+    raise UnsupportedUnderVmap(
+        "vmap: torch.equal (aten.equal, also used by PyTorch's own checks such as "
+        "torch.cov's) gives True for some examples and False for others, and one Python bool "
+        "cannot stand for both. Compare with tensor ops instead and keep the result as a "
+        "tensor: (a == b).all(), then torch.where(...) on it; for torch.cov, make every "
+        "example's weights pass the same checks (non-negative, non-zero sum) and its "
+        "degrees of freedom (sum of weights - correction) either all positive or all <= 0.")

@@ -175,8 +175,12 @@ def _indexed_rank(plan, x_rank) -> int:
 
 
 def _mask_error(op):
+    from ...errors import UnsupportedUnderVmap
     from .data_dependent import dynamic_shape_error
-    raise dynamic_shape_error(op)
+    raise UnsupportedUnderVmap(
+        str(dynamic_shape_error(op)) + " It is also reached by the gradient of index_put / "
+        "x[mask] = v with respect to the values when the boolean mask differs per example; "
+        "there, write with torch.where(mask, v, x) (v broadcast to x's shape) instead.")
 
 
 def _index_rule_for(op):
