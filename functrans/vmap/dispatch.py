@@ -401,11 +401,11 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], meta: _OpMeta = 
     # tensors are possible (batch norm's running stats: none in eval mode, one shared update
     # for an unbatched input); the fallback still gets the generic check.
     rule_checks = meta.rule_checks_inplace and not kw_batched
-    if op is _RESIZE_AS_:
-        out = _resize_as_(op, args, kwargs, level)
-        if out is not None:
-            return out
     if meta.checked:
+        if op is _RESIZE_AS_:   # (an in-place op: only checked ops pay for this test)
+            out = _resize_as_(op, args, kwargs, level)
+            if out is not None:
+                return out
         if meta.mutable_pos or meta.mutable_kw:
             if copied_views._copies:
                 _check_copied_views(op, meta, vals, kwargs)
