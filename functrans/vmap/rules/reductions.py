@@ -54,8 +54,18 @@ _REFUSES_EMPTY = frozenset({aten.amax.default, aten.amin.default, aten.aminmax.d
                             aten.mode.default, aten.kthvalue.default})
 
 
-def _empty_example(x: torch.Tensor, bdim: int) -> bool:
-    return x.numel() == 0 and x.shape[bdim] != 0
+def _empty_example(op, x: torch.Tensor, bdim: int, args, kwargs) -> bool:
+    """Whether one example is empty AND eager refuses this call on it (asked of a meta example:
+    reducing an empty example over a non-empty dim is legal and stays batched)."""
+    if x.numel() != 0 or x.shape[bdim] == 0:
+        return False
+    shape = list(x.shape)
+    del shape[bdim]
+    try:
+        op(torch.empty(shape, dtype=x.dtype, device="meta"), *args, **kwargs)
+    except Exception:
+        return True
+    return False
 
 
 _signatures: Dict[Any, Tuple[List[str], Dict[str, Any], bool]] = {}
@@ -139,7 +149,7 @@ def _dims_rule(op, empty_means_all: bool = True):
     refuses_empty = op in _REFUSES_EMPTY
 
     def rule(info, in_dims, x, *args, **kwargs):
-        if refuses_empty and _empty_example(x, in_dims[0]):
+        if refuses_empty and _empty_example(op, x, in_dims[0], args, kwargs):
             raise Decline()
         if positional and args and not kwargs and x.dim() > 1:
             dim = args[0]
@@ -209,7 +219,7 @@ def _one_dim_rule(op):
     refuses_empty = op in _REFUSES_EMPTY
 
     def rule(info, in_dims, x, *args, **kwargs):
-        if refuses_empty and _empty_example(x, in_dims[0]):
+        if refuses_empty and _empty_example(op, x, in_dims[0], args, kwargs):
             raise Decline()
         return _reduce_one(op, x, in_dims[0], _params(op, args, kwargs))
     rule.__name__ = f"reduce_one_dim_rule[{op}]"
