@@ -63,10 +63,12 @@ _AS_STRIDED = ("as_strided addresses storage by absolute offsets: functrans runs
                "x.stride() (stft, autograd) and strides meant for a fresh example (these "
                "samples) would address different elements; torch.vmap runs it and gets it wrong")
 XFAILS: Dict[str, str] = {
-    "stft": _AS_STRIDED + "; stft frames its (padded) input with as_strided on the strides the "
-                          "function sees, refused for in_dims=-1 and under vmap∘vmap; an "
-                          "unfold-based framing would need a rule for the CompositeImplicit "
-                          "aten.stft, which cannot reach __torch_dispatch__",
+    "stft": _AS_STRIDED + "; stft frames its input with as_strided on the strides the "
+                          "function sees: batched (also under vmap∘vmap) when the input is "
+                          "padded (center=True) or passed with in_dims=0, refused for an "
+                          "unpadded in_dims=-1 input; an unfold-based framing would need a "
+                          "rule for the CompositeImplicit aten.stft, which cannot reach "
+                          "__torch_dispatch__",
     "as_strided": _AS_STRIDED,
     "as_strided_copy": _AS_STRIDED,
     "as_strided.partial_views": _AS_STRIDED,

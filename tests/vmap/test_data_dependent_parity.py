@@ -202,3 +202,19 @@ def test_take_under_nested_vmap():
     _same(got, loop_oracle(lambda a, i: loop_oracle(f, (0, 0), 3, a, i), (0, 0), 2, x, idx))
     _same(got2, torch.func.vmap(torch.func.vmap(f, in_dims=(0, None)),
                                 in_dims=(0, None))(x, idx[0, 0]))
+
+
+def test_stft_and_istft_under_nested_vmap():
+    # stft frames its padded input with as_strided: under vmap∘vmap the innermost physical
+    # tensor holds only its examples (a size-1 dim's stride is arbitrary and must not count).
+    window = torch.hann_window(8)
+    f = lambda a: torch.stft(a, 8, return_complex=True, window=window)  # noqa: E731
+    g = lambda s: torch.istft(s, 8, window=window)  # noqa: E731
+    xs = torch.randn(2, 3, 20)
+    out = ft.vmap(ft.vmap(f))(xs)
+    ref = torch.stack([torch.stack([f(r.clone()) for r in row]) for row in xs])
+    torch.testing.assert_close(out, ref)
+    back = ft.vmap(ft.vmap(g))(out)
+    torch.testing.assert_close(back, torch.stack([torch.stack([g(r) for r in row]) for row in out]))
+    torch.testing.assert_close(ft.vmap(f, in_dims=1)(xs[0].T.contiguous()),
+                               torch.stack([f(r.clone()) for r in xs[0]]))

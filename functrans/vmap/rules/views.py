@@ -469,7 +469,9 @@ def _holds_only_its_examples(x) -> bool:
         return False
     if p.untyped_storage().nbytes() != p.numel() * p.element_size():
         return False
-    return _dense_strides(p.shape, p.stride()) == tuple(p.stride())
+    dense = _dense_strides(p.shape, p.stride())
+    return all(n <= 1 or s == d for n, s, d in zip(p.shape, p.stride(), dense))  # (a size-1
+    # dim's stride is arbitrary)
 
 
 def _dense_strides(shape, strides):
