@@ -153,20 +153,25 @@ def reaches_outside(roots: Sequence[Any], own: Sequence[torch.Tensor]) -> bool:
             if type(r) is not BatchedTensor:
                 break
             r = r.value
-    seen = set(todo)
     acc = _AccumulateGrad
+    for nxt in _graph_below(todo):
+        if type(nxt) is acc:
+            var = nxt.variable
+            if id(var) not in own_ids and not getattr(var, _INTERNAL, False):
+                return True
+    return False
+
+
+def _graph_below(todo: list):
+    """Every autograd node reachable from the nodes in ``todo`` (not themselves), once each."""
+    seen = set(todo)
     while todo:
         for nxt, _ in todo.pop().next_functions:
             if nxt is None or nxt in seen:
                 continue
             seen.add(nxt)
-            if type(nxt) is acc:
-                var = nxt.variable
-                if id(var) not in own_ids and not getattr(var, _INTERNAL, False):
-                    return True
-            else:
-                todo.append(nxt)
-    return False
+            yield nxt
+            todo.append(nxt)
 
 
 def depends_on(root: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
@@ -192,17 +197,9 @@ def depends_on(root: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
         if type(root) is not BatchedTensor:
             break
         root = root.value
-    seen = set(todo)
     acc = _AccumulateGrad
-    while todo:
-        for nxt, _ in todo.pop().next_functions:
-            if nxt is None or nxt in seen:
-                continue
-            if nxt in nodes or (type(nxt) is acc and id(nxt.variable) in leaves):
-                return True
-            seen.add(nxt)
-            todo.append(nxt)
-    return False
+    return any(nxt in nodes or (type(nxt) is acc and id(nxt.variable) in leaves)
+               for nxt in _graph_below(todo))
 
 
 def connected_outside(pre: bool, grad_on: bool, roots: Sequence[Any],
