@@ -325,8 +325,12 @@ def _as_view_of_input(v: torch.Tensor, inputs) -> torch.Tensor:
         if a.requires_grad or a.dtype != v.dtype or a.is_conj() != v.is_conj() or \
                 a.is_neg() != v.is_neg() or a.layout is not torch.strided:
             return v
-        return a.as_strided(v.shape, v.stride(), v.storage_offset())
+        with _no_python_dispatch():   # plain tensors: skip the vmap's own dispatch mode
+            return a.as_strided(v.shape, v.stride(), v.storage_offset())
     return v
+
+
+_no_python_dispatch = torch._C._DisableTorchDispatch
 
 
 class results_with_dims(list):
