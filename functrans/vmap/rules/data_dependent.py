@@ -60,6 +60,9 @@ _FIXES = {
                "and batches without a loop",
     "argwhere": "torch.nonzero_static(x, size=n, fill_value=-1) pads every example to n rows",
     "masked_select": "torch.where(mask, x, 0) (or x * mask) keeps the shape fixed",
+    "index": "torch.where(mask, x, 0) instead of x[mask] keeps the shape fixed (the gradient of "
+             "x[mask] = v with respect to v reads v[mask] too: write with torch.where(mask, v, "
+             "x), v broadcast to x's shape, instead)",
     "bincount": "pass minlength= larger than every value (all examples then have that length), "
                 "or count with torch.zeros(n).index_add_(0, x, weights)",
     "repeat_interleave": "make the repeats sum to the same total in every example (pad with a "

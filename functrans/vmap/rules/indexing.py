@@ -174,20 +174,14 @@ def _indexed_rank(plan, x_rank) -> int:
     return x_rank - plan.consumed + plan.k
 
 
-def _mask_error(op):
-    from ...errors import UnsupportedUnderVmap
-    from .data_dependent import dynamic_shape_error
-    raise UnsupportedUnderVmap(
-        str(dynamic_shape_error(op)) + " It is also reached by the gradient of index_put / "
-        "x[mask] = v with respect to the values when the boolean mask differs per example; "
-        "there, write with torch.where(mask, v, x) (v broadcast to x's shape) instead.")
-
-
 def _index_rule_for(op):
     def rule(info, in_dims, x, indices):
         dims = in_dims[1] if isinstance(in_dims[1], (list, tuple)) else [None] * len(indices)
         if any(_is_mask(t) and d is not None for t, d in zip(indices, dims)):
-            _mask_error(op)  # a batched mask: a clear error
+            # A batched mask may select a different number per example: the loop runs each
+            # example and stacks the results when their shapes agree, else raises the clear
+            # ragged-results error (as masked_select; rules/data_dependent.py).
+            raise Decline()
         plan = _Plan(info, x, in_dims[0], indices, in_dims[1], need_batched_self=False)
         return plan.result(op(plan.X, plan.indices))
     rule.__name__ = f"index_rule[{op}]"

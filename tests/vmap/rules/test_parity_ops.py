@@ -232,13 +232,22 @@ def test_index_fill_and_index_put_with_batched_indices_under_vmap_vjp():
         a, b = xs[k].clone().requires_grad_(), vs[k].clone().requires_grad_()
         ref = torch.autograd.grad(fill(a, b, idx[k]), (a, b), cts[k])
         assert_same(tuple(t[k] for t in got), ref)
-    # index_put with a per-example boolean mask: the values' gradient is grad[mask]
+    # index_put with a per-example boolean mask: the values' gradient is grad[mask], which
+    # runs per example and stacks when every mask selects as many rows (a loop of autograd)...
     masks = torch.tensor([[True, False, True], [False, True, True], [True, True, False]])
     put = lambda x, v, m: x.index_put((m,), v)
+    got = ft.vmap(lambda x, m, c: ft.vjp(lambda a, b: put(a, b, m), x, torch.ones(5))[1](c))(
+        xs, masks, cts)
+    for k in range(3):
+        a, b = xs[k].clone().requires_grad_(), torch.ones(5, requires_grad=True)
+        assert_same(tuple(t[k] for t in got), torch.autograd.grad(put(a, b, masks[k]), (a, b),
+                                                                  cts[k]))
+    # ... and raises the clear error, with the torch.where form, when the counts differ
+    ragged = torch.tensor([[True, False, True], [False, False, True], [True, True, True]])
     with pytest.raises(UnsupportedUnderVmap,
-                       match=r"gradient of index_put.*torch\.where\(mask, v, x\)") as e:
+                       match=r"gradient of x\[mask\] = v.*torch\.where\(mask, v, x\)") as e:
         ft.vmap(lambda x, m, c: ft.vjp(lambda a, b: put(a, b, m), x, torch.ones(5))[1](c))(
-            xs, masks, cts)
+            xs, ragged, cts)
     _no_internal_text(e.value)
     # ... and the suggested torch.where form batches and matches a loop of autograd
     put_where = lambda x, v, m: torch.where(m.unsqueeze(-1), v, x)
