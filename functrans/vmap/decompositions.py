@@ -13,6 +13,8 @@ from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 
+from ..errors import UnsupportedUnderVmap
+
 _table: Optional[Dict[Any, Callable]] = None
 _lock = threading.Lock()
 _failed: Set[Any] = set()
@@ -55,12 +57,31 @@ def run_decomposition(op, args, kwargs) -> Tuple[bool, Any]:
         return False, None
     try:
         result = fn(*args, **kwargs)
-    except Exception:
-        # Under vmap it raised (e.g. .item() inside, or a write into a fresh unbatched tensor):
-        # the fallback runs the op per example, and a genuine user error re-raises there with
-        # the eager kernel's own message.
+    except UnsupportedUnderVmap:
+        # It cannot run under vmap (e.g. .item() inside, or a write into a fresh unbatched
+        # tensor): remembered, so the fallback runs the op per example from now on.
         _failed.add(op)
         return False, None
+    except Exception:
+        # Anything else may be an error of these arguments (an invalid input: eager raises
+        # too) or of the decomposition under vmap.  The fallback decides: it re-raises an
+        # invalid input's error with the eager kernel's own message (the next valid call still
+        # gets the decomposition), and when it succeeds the decomposition is remembered as
+        # unusable (see ``confirming``).
+        return False, RAISED
     if result is NotImplemented:  # the decomposition declines these inputs (e.g. ceil_mode)
         return False, None
     return True, result
+
+
+RAISED = object()   # run_decomposition's second value when the decomposition raised
+
+
+def confirming(op, fallback: Callable) -> Callable:
+    """``fallback``, which also remembers ``op``'s decomposition as unusable under vmap once
+    the fallback succeeds on the arguments the decomposition failed on."""
+    def run(*args, **kwargs):
+        out = fallback(*args, **kwargs)
+        _failed.add(op)
+        return out
+    return run

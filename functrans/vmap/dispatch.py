@@ -430,12 +430,14 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], meta: _OpMeta = 
         else:
             rule = None  # rules take bdims for positional arguments only
     if rule is None:
-        from .decompositions import run_decomposition
+        from .decompositions import RAISED, confirming, run_decomposition
         from .fallback import loop_fallback
         done, result = run_decomposition(op, args, kwargs)
         if done:
             return result
         rule = functools.partial(loop_fallback, op)
+        if result is RAISED:
+            rule = confirming(op, rule)
     try:
         try:
             if track:

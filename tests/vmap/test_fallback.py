@@ -94,3 +94,19 @@ def test_fallback_under_autograd_for_differentiable_decomposed_op():
     g, = torch.autograd.grad(out.sum(), x)
     expected = torch.cumsum(x.detach(), 1) * 2.0
     assert_same(g, expected)
+
+
+def test_an_invalid_call_does_not_disable_a_decomposition():
+    # adaptive_max_pool3d runs by its torch._decomp decomposition under vmap.  A call with an
+    # invalid argument raises inside the decomposition as in eager; that must not make every
+    # later valid call take the loop (the op used to be remembered as "fails under vmap").
+    import functrans as ft
+    import torch.nn.functional as F
+    x = torch.randn(2, 1, 4, 4, 4)
+    with pytest.raises(RuntimeError):
+        F.adaptive_max_pool3d(x[0, 0, 0], 2)              # eager: a 2-D input is invalid
+    with pytest.raises(RuntimeError):
+        ft.vmap(lambda a: F.adaptive_max_pool3d(a[0, 0], 2))(x)
+    with ft.config.strict_fallback():
+        out = ft.vmap(lambda a: F.adaptive_max_pool3d(a, 2))(x)
+    torch.testing.assert_close(out, torch.stack([F.adaptive_max_pool3d(e, 2) for e in x]))
