@@ -34,8 +34,9 @@ def _basis(flat: List[torch.Tensor]) -> List[torch.Tensor]:
     out = []
     offset = 0
     for t, n in zip(flat, sizes):
-        block = torch.zeros(total, n, dtype=t.dtype, device=t.device)
-        block[offset:offset + n].fill_diagonal_(1) if n else None
+        # out of place (no fill_diagonal_ on a slice): functionalize(jacfwd(f)) traces it
+        eye = torch.eye(n, dtype=t.dtype, device=t.device)
+        block = torch.cat([eye.new_zeros(offset, n), eye, eye.new_zeros(total - offset - n, n)])
         out.append(block.view(total, *t.shape))
         offset += n
     return out
