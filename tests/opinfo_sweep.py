@@ -69,10 +69,6 @@ XFAILS: Dict[str, str] = {
                           "unpadded in_dims=-1 input; an unfold-based framing would need a "
                           "rule for the CompositeImplicit aten.stft, which cannot reach "
                           "__torch_dispatch__",
-    "as_strided": _AS_STRIDED,
-    "as_strided_copy": _AS_STRIDED,
-    "as_strided.partial_views": _AS_STRIDED,
-    "as_strided_scatter": _AS_STRIDED,
 }
 
 # Ops skipped whole, with the reason (counted in the report, never silently).
