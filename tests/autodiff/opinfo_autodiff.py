@@ -30,15 +30,19 @@ from tests.opinfo_sweep import (FAST_OPS, _is_deterministic_or_fails, all_ops, c
                                 flatten_sample, op_id, skip_reason)
 from tests.oracles import perturb_like
 
-CHECKS = ("vjp", "jvp", "vmap_vjp", "vmap_jvp")
+# vmap_vjp batches the cotangents, vmap_jvp primals and tangents together; the two mixed checks
+# batch only what jacrev / jacfwd batch or only the primals (a batched primal beside an
+# unbatched tangent or cotangent: where layouts of primal and tangent differ, the bugs hide).
+CHECKS = ("vjp", "jvp", "vmap_vjp", "vmap_jvp", "vmap_jvp_tangents", "vmap_vjp_primals")
 IMPLS = {"functrans": ft, "torch.func": tf}
 B = 3
 FAST_SAMPLES, FULL_SAMPLES = 2, 3
 
 
 def _float_outputs(out) -> List[torch.Tensor]:
+    """The differentiable outputs: floating and complex (ifft, eig... return complex)."""
     return [o for o in pytree.tree_flatten(out)[0]
-            if isinstance(o, torch.Tensor) and o.is_floating_point()]
+            if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())]
 
 
 def _ref_vjp(g, diff, cts):
@@ -92,6 +96,12 @@ def _checks_for(g, diff, randomness: str = "error") -> Dict[str, tuple]:
         "vmap_jvp": (lambda m: m.vmap(lambda *a: m.jvp(g, a[:n], a[n:]),
                                       randomness=randomness)(*X, *T),
                      lambda: loop(lambda *a: _ref_jvp(g, a[:n], a[n:]), *X, *T)),
+        "vmap_jvp_tangents": (lambda m: m.vmap(lambda *t: m.jvp(g, diff, t),
+                                               randomness=randomness)(*T),
+                              lambda: loop(lambda *t: _ref_jvp(g, diff, t), *T)),
+        "vmap_vjp_primals": (lambda m: m.vmap(lambda *a: m.vjp(g, *a)[1](cts),
+                                              randomness=randomness)(*X),
+                             lambda: loop(lambda *a: _ref_vjp(g, a, cts), *X)),
     }
 
 
@@ -156,7 +166,7 @@ def sweep_op(op, *, full: bool, impls: Sequence[str] = tuple(IMPLS)) -> Dict[str
         except Exception:
             continue
         for name, (run, ref) in checks.items():
-            if name.endswith("jvp") and not op.supports_forward_ad:
+            if "jvp" in name and not op.supports_forward_ad:
                 continue
             try:
                 expected = ref()
@@ -210,10 +220,10 @@ def select(full: bool, names: Optional[Sequence[str]] = None):
 def report(results: Dict[str, Dict[str, object]]) -> str:
     lines = ["OpInfo autodiff checks: ops by worst outcome (functrans | torch.func); for the",
              "vmapped checks 'rule' means batching rules only, 'fallback' that some op looped", ""]
-    lines.append(f"{'check':<10}" + "".join(f"{k:>18}" for k in OUTCOMES))
+    lines.append(f"{'check':<18}" + "".join(f"{k:>18}" for k in OUTCOMES))
     for check in CHECKS:
         c = counts(results, check)
-        lines.append(f"{check:<10}" + "".join(
+        lines.append(f"{check:<18}" + "".join(
             f"{c['functrans'][k]:>9} | {c['torch.func'][k]:<6}" for k in OUTCOMES))
     skipped = collections.Counter(r["skipped"] for r in results.values() if "skipped" in r)
     lines += ["", f"ops: {len(results)}; skipped: " + ", ".join(f"{v} {k}" for k, v in
