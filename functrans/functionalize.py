@@ -42,6 +42,7 @@ from typing import Any, Callable, List
 
 import torch
 import torch.autograd.forward_ad as _fwAD
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _levels
 from ._pytree import leaf_paths, tree_flatten, tree_unflatten
@@ -160,31 +161,135 @@ def _functionalization(reapply_views: bool, marker: int):
         _active_anywhere -= 1
 
 
-def physical_functionalization(level) -> contextlib.AbstractContextManager:
-    """For the vmap dispatcher: a context that switches the Functionalize key back on for the
-    physical ops of a rule of ``level`` when a functionalize call is active OUTSIDE that vmap
-    (its physical values are then functional wrappers); ``None`` when nothing is needed."""
-    if not _active_anywhere:
-        return None
-    active = _active()
-    if not active or active[-1] > level.id:
-        return None  # no functionalize, or the innermost one runs inside this vmap
+def _boundaries() -> List[int]:
+    """Ids of the vmap levels entered directly inside an active functionalize call (this
+    thread): the levels whose physical ops are functionalized."""
+    s = getattr(_tls, "boundaries", None)
+    if s is None:
+        s = _tls.boundaries = []
+    return s
+
+
+def _key_on() -> contextlib.AbstractContextManager:
     include = torch._C._dispatch_tls_local_include_set() | _KEYSET
     exclude = torch._C._dispatch_tls_local_exclude_set() - _KEYSET
     return torch._C._ForceDispatchKeyGuard(include, exclude)
 
 
+def physical_functionalization(level) -> contextlib.AbstractContextManager:
+    """For the vmap dispatcher: a context that switches the Functionalize key back on for the
+    physical ops of a rule of ``level`` when ``level`` is the vmap entered directly inside the
+    innermost active functionalize call (its physical values are then functional wrappers);
+    ``None`` when nothing is needed.  The physical ops of a vmap nested deeper run with the key
+    off: they are the logical ops of the vmap outside them, which functionalizes its own."""
+    if not _active_anywhere:
+        return None
+    active = _active()
+    if not active or active[-1] > level.id:
+        return None  # no functionalize, or the innermost one runs inside this vmap
+    b = _boundaries()
+    if not b or level.id not in b:
+        return None
+    return _physical()
+
+
+@contextlib.contextmanager
+def _physical():
+    # _BoundaryMode stays on the mode stack below the rule: it lets the rule's physical ops
+    # (which the Functionalize kernel has already unwrapped) pass untouched.
+    _tls.physical = getattr(_tls, "physical", 0) + 1
+    try:
+        with _key_on():
+            yield
+    finally:
+        _tls.physical -= 1
+
+
+class _BoundaryMode(TorchDispatchMode):
+    """Pushed (below the vmap's own mode) by a vmap entered inside a functionalize call, while
+    the Functionalize key is excluded for that vmap's logical ops (see ``logical_ops``).  Every
+    op that no vmap rule takes (no BatchedTensor among its arguments: ops on tensors closed
+    over from the functionalized region, on saved tensors in a backward formula, forward-AD
+    primal computations, factories) comes here and runs with the key switched back on, as it
+    would outside the vmap.  Ops with a BatchedTensor pass on to the vmap dispatcher, whose
+    rules' physical ops are functionalized (``physical_functionalization``)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __init__(self, batched_type):
+        super().__init__()
+        self.batched_type = batched_type
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(_tls, "physical", 0) or self.batched_type in types:
+            return func(*args, **kwargs)
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if not any(_is_functional(a) for a in tensors) or \
+                any(isinstance(a, self.batched_type) for a in tensors):
+            # A batched op (the vmap dispatcher's), one on plain tensors only, or a factory:
+            # nothing to functionalize.  Factories stay plain tensors, as before this mode
+            # existed (see the module's Limitations): forward AD materialises the zero
+            # tangent of a wrapped number (x * 2) as a factory call, and a functional
+            # wrapper there reaches PyTorch's Python fallback, which reads its (missing) data.
+            return func(*args, **kwargs)
+        if _writes_into_plain(func, args, kwargs):
+            # An in-place op into a plain tensor (a factory's) with functional operands:
+            # PyTorch's Functionalize kernel asserts; run it unfunctionalized on their values.
+            args, kwargs = tree_unflatten(
+                [_unwrap(a) if _is_functional(a) else a
+                 for a in tree_flatten((args, kwargs))[0]], tree_flatten((args, kwargs))[1])
+            return func(*args, **kwargs)
+        with _key_on():
+            return func(*args, **kwargs)
+
+
+def _writes_into_plain(func, args, kwargs) -> bool:
+    schema = func._schema
+    if not schema.is_mutable:
+        return False
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor) and not _is_functional(t):
+                return True
+    return False
+
+
+@contextlib.contextmanager
+def _boundary(level):
+    from .vmap.batched_tensor import BatchedTensor  # functrans.vmap imports this module
+    include = torch._C._dispatch_tls_local_include_set() - _KEYSET
+    exclude = torch._C._dispatch_tls_local_exclude_set() | _KEYSET
+    b = _boundaries()
+    b.append(level.id)
+    try:
+        with torch._C._ForceDispatchKeyGuard(include, exclude), _BoundaryMode(BatchedTensor):
+            yield
+    finally:
+        b.pop()
+
+
 def logical_ops(level) -> contextlib.AbstractContextManager:
-    """For vmap: while a vmap runs inside a functionalize call, its LOGICAL ops (on
-    BatchedTensors, and factories such as ``torch.zeros`` in the vmapped function) must not be
-    functionalized at the outer level, or a functional wrapper would end up around a
-    BatchedTensor that then escapes its vmap.  Only the rules' physical ops are (see
-    ``physical_functionalization``).  A no-op when no functionalize call is active."""
+    """For vmap (entered before the vmap's own dispatch mode): while a vmap runs directly
+    inside a functionalize call, the Functionalize key is EXCLUDED for its logical ops, because
+    PyTorch's Functionalize kernel sits above the Python key: it would take an op that mixes a
+    BatchedTensor with a functional tensor of the outer functionalize (a closed-over value, a
+    tensor saved by autograd for a backward formula run under vmap, a forward-AD primal with a
+    batched tangent) before the vmap could, and wrap the batched result in a functional
+    wrapper that then escapes the vmap (or, for an in-place op, raise an internal assert).  As
+    in PyTorch's own layering the vmap handles its ops first: a rule's physical ops run with
+    the key on (``physical_functionalization``), and the ops without a BatchedTensor run with
+    it on too (``_BoundaryMode``).  A no-op when no functionalize call is active, or for a vmap
+    nested in one that already did this."""
     if not _active_anywhere or not _active() \
             or not torch._C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE):
         return contextlib.nullcontext()
-    include = torch._C._dispatch_tls_local_include_set() - _KEYSET
-    return torch._C._ForceDispatchKeyGuard(include, torch._C._dispatch_tls_local_exclude_set())
+    return _boundary(level)
 
 
 def _write_back(original: torch.Tensor, wrapped: torch.Tensor, pos) -> None:
