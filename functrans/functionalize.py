@@ -92,22 +92,43 @@ class _ToFunctional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _unwrap(g)
+        # Differentiably (a graph from the cotangent to the result, under create_graph): the
+        # double-vjp route of jvp / jacfwd / hessian over functionalize differentiates this
+        # gradient with respect to the cotangent.
+        if _is_functional(g):
+            return _FromFunctional.apply(g, frozenset())
+        return g
 
     @staticmethod
     def jvp(ctx, t):
+        if type(t) is not torch.Tensor or any(lv.kind == "vmap" for lv in _levels.stack()):
+            _no_forward_mode_under_vmap(t)
         # A fresh wrapper: an in-place op on the input inside func updates its tangent in place
         # (with the functional primal), which must stay functionalized and must not write into
         # the caller's tangent.
         if _is_functional(t):
             return t
-        if type(t) is not torch.Tensor:
-            raise FunctransError(
-                "functionalize: forward-mode AD over functionalize (jvp, jacfwd, hessian) is "
-                f"supported with ordinary tangents only; got a tangent of type {type(t).__name__} "
-                "(jacfwd and vmap over jvp batch the tangents). Use jacrev instead of jacfwd, or "
-                "put functionalize outside: functionalize(jacfwd(f)).")
         return torch._to_functional_tensor(t)
+
+
+def _no_forward_mode_under_vmap(t) -> None:
+    """Forward-mode AD over functionalize under a vmap (jacfwd, hessian, vmap(jvp), or a jvp
+    with ordinary tangents inside any vmap) cannot run on dual tensors: forward AD makes the
+    zero tangent of a Python scalar operand (``x * 2``) with ``_efficientzerotensor``, which
+    the vmap materialises as a factory call; under the Functionalize key that becomes a
+    functional wrapper that PyTorch's Python fallback then reads as a wrapped number (a
+    storage-less tensor: a RuntimeError about unallocated data).  functrans.jvp retries by its
+    exact double-vjp route (J t = d/du <J^T u, t>, reverse mode, which composes with
+    functionalize); forward AD opened by the user (``torch.autograd.forward_ad``) gets a clear
+    error instead."""
+    from .vmap.api import ForwardModeAroundVmap  # functrans.vmap imports this module
+    if _levels.forward_ad_state() == "mine":
+        raise ForwardModeAroundVmap()
+    raise FunctransError(
+        "functionalize: forward-mode AD (torch.autograd.forward_ad) over functionalize under "
+        f"vmap is not supported (got a tangent of type {type(t).__name__}). Use "
+        "functrans.jvp / jacfwd / hessian, which take a reverse-mode route there, or "
+        "put functionalize outside: functionalize(jacfwd(f)).")
 
 
 class _FromFunctional(torch.autograd.Function):
@@ -135,6 +156,17 @@ class _FromFunctional(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, t, _):
         return _unwrap(t)
+
+
+def unwrap_functional(t: Any) -> Any:
+    """``t`` itself, or for a functional wrapper its value (after its pending updates),
+    differentiably.  For the double-vjp route of jvp (autodiff/jvp.py): the second backward
+    pass runs through the graph that a functionalize call recorded on functional wrappers, so
+    the gradients it returns for the cotangents can be functional wrappers (around the
+    BatchedTensors of jacfwd's vmap); no functionalize call is active there to unwrap them."""
+    if _is_functional(t):
+        return _FromFunctional.apply(t, frozenset())
+    return t
 
 
 def _set_tls(enabled: bool, reapply_views: bool) -> None:
