@@ -151,6 +151,15 @@ class _FromFunctional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        # The gradient enters the graph that func recorded on functional wrappers as a
+        # functional wrapper too (differentiably): the backward formulas there then run on
+        # functional tensors only, as they would inside the functionalize call.  A plain
+        # gradient would meet them in in-place ops (an in-place op on a view records a
+        # CopySlices node, whose backward copies the gradient into a fresh tensor): PyTorch's
+        # internal assert "mutating a non-functional tensor with a functional tensor" under
+        # vmap, and wrong values in jvp's double-vjp route.
+        if isinstance(g, torch.Tensor) and not _is_functional(g):
+            g = _GradToFunctional.apply(g)
         return g, None
 
     @staticmethod
@@ -167,6 +176,22 @@ def unwrap_functional(t: Any) -> Any:
     if _is_functional(t):
         return _FromFunctional.apply(t, frozenset())
     return t
+
+
+class _GradToFunctional(torch.autograd.Function):
+    """A gradient into a functional wrapper, differentiably (see _FromFunctional.backward).
+    Old-style on purpose: under vmap its forward runs on the BatchedTensor itself (a
+    functional wrapper around it, the layering PyTorch's Functionalize kernel gives when a
+    batched gradient meets the functional tensors the graph saved), not on its physical
+    value; the backward unwraps it again."""
+
+    @staticmethod
+    def forward(ctx, g):
+        return torch._to_functional_tensor(g)
+
+    @staticmethod
+    def backward(ctx, gg):
+        return unwrap_functional(gg)
 
 
 def _set_tls(enabled: bool, reapply_views: bool) -> None:
