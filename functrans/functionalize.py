@@ -167,6 +167,26 @@ class _FromFunctional(torch.autograd.Function):
         return _unwrap(t)
 
 
+def functional_tangents(tangents: List[Any]) -> List[Any]:
+    """For jvp's forward-AD route inside a functionalize call (``functionalize(jvp(f))``,
+    ``functionalize(jacfwd(f))``): the tangents as functional wrappers (under vmap: batched
+    tensors around functional wrappers), because forward AD's formulas for in-place ops write
+    the new tangent into the old one, and a plain tangent written with functional values is
+    PyTorch's internal assert "mutating a non-functional tensor with a functional tensor".
+    Differentiable (``_ToFunctional``); the tangents themselves when no call is active."""
+    if not _active_anywhere or not _active():
+        return tangents
+    return [_ToFunctional.apply(t) if isinstance(t, torch.Tensor) and not _is_functional(
+        _innermost(t)) else t for t in tangents]
+
+
+def _innermost(t: torch.Tensor) -> torch.Tensor:
+    while hasattr(type(t), "__torch_dispatch__") and hasattr(t, "value") and \
+            isinstance(t.value, torch.Tensor):
+        t = t.value  # a BatchedTensor's physical value
+    return t
+
+
 def unwrap_functional(t: Any) -> Any:
     """``t`` itself, or for a functional wrapper its value (after its pending updates),
     differentiably.  For the double-vjp route of jvp (autodiff/jvp.py): the second backward

@@ -32,7 +32,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from .. import _levels
-from ..functionalize import unwrap_functional
+from ..functionalize import functional_tangents, unwrap_functional
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError, UnsupportedUnderVmap
 from ..vmap.api import ForwardModeAroundVmap
@@ -226,7 +226,7 @@ def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api, strict=False):
     # again on the double-vjp route.
     grad_on = torch.is_grad_enabled()
     with autodiff_level("jvp"), _forward_grad_on(), fwAD.dual_level():
-        duals = [fwAD.make_dual(p, t) for p, t in zip(flat_p, flat_t)]
+        duals = [fwAD.make_dual(p, t) for p, t in zip(flat_p, functional_tangents(flat_t))]
         out = func(*tree_unflatten(duals, spec))
         aux = None
         if has_aux:
