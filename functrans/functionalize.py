@@ -176,8 +176,16 @@ def functional_tangents(tangents: List[Any]) -> List[Any]:
     Differentiable (``_ToFunctional``); the tangents themselves when no call is active."""
     if not _active_anywhere or not _active():
         return tangents
-    return [_ToFunctional.apply(t) if isinstance(t, torch.Tensor) and not _is_functional(
+    return [_as_functional(t) if isinstance(t, torch.Tensor) and not _is_functional(
         _innermost(t)) else t for t in tangents]
+
+
+def _as_functional(t: torch.Tensor) -> torch.Tensor:
+    from .vmap.batched_tensor import BatchedTensor  # functrans.vmap imports this module
+    if isinstance(t, BatchedTensor) and t.level.id > _active()[-1]:
+        # a vmap inside the functionalize call: its physical values are the functional ones
+        return BatchedTensor(_as_functional(t.value), t.bdim, t.level)
+    return _ToFunctional.apply(t)  # (a wrapper around a vmap's batched tensor outside it)
 
 
 def _innermost(t: torch.Tensor) -> torch.Tensor:
