@@ -394,6 +394,15 @@ def _write_back(original: torch.Tensor, wrapped: torch.Tensor, pos) -> None:
             f"functionalize: the function wrote in place into its input {pos()}, which carries a "
             "forward-mode tangent (jvp over functionalize); writing that mutation back is not "
             "supported. Clone the input inside the function (x = x.clone()) before writing.")
+    base = original if original._base is None else original._base
+    if original.requires_grad and base.is_leaf and base.requires_grad and \
+            torch.is_grad_enabled():
+        raise FunctransError(
+            f"functionalize: the function wrote in place into its input {pos()}, which is "
+            "being differentiated (grad, vjp, jacrev, hessian, or jvp's reverse-mode route "
+            "under vmap / jacfwd); PyTorch cannot write that mutation back into a leaf that "
+            "requires grad. Clone the input inside the function (x = x.clone()) before "
+            "writing, or return the new value instead.")
     new = _FromFunctional.apply(wrapped, frozenset((id(original),)))
     original.copy_(new)
 

@@ -240,3 +240,16 @@ def test_returning_an_input_gives_an_alias_not_the_callers_tensor():
     out = functionalize(lambda a: a)(x)
     assert out is not x and x.grad_fn is None
     assert_same(out, x)
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "jacfwd", "hessian"])
+def test_writing_into_a_differentiated_input_is_refused_clearly(transform):
+    # torch.func.grad raises PyTorch's "a leaf Variable that requires grad is being used in an
+    # in-place operation" here; functrans names the input and the fix for every transform
+    fn = functionalize(lambda x: x.mul_(2).sin())
+    if transform in ("grad", "hessian"):
+        t = getattr(functrans, transform)(lambda x: fn(x).sum())
+    else:
+        t = getattr(functrans, transform)(fn)
+    with pytest.raises(functrans.FunctransError, match=r"wrote in place into its input args\[0\]"):
+        t(torch.randn(3))
