@@ -237,11 +237,22 @@ def _functionalization(reapply_views: bool, marker: int):
     active = _active()
     active.append(marker)
     _active_anywhere += 1
-    _set_tls(True, reapply_views)
     try:
-        yield
+        # The key on (and not excluded: a functionalize inside a vmap that is itself inside a
+        # functionalize call, see logical_ops).  A functionalize directly inside another
+        # leaves the outer pass on (PyTorch refuses to nest its mode-style pass; the outer
+        # one already removes the mutations), keeping the outer call's view setting.
+        with torch._C._ForceDispatchKeyGuard(
+                torch._C._dispatch_tls_local_include_set(),
+                torch._C._dispatch_tls_local_exclude_set() - _KEYSET):
+            if not prev_on:
+                _set_tls(True, reapply_views)
+            try:
+                yield
+            finally:
+                if not prev_on:
+                    _set_tls(False, prev_reapply)
     finally:
-        _set_tls(prev_on, prev_reapply)
         active.pop()
         _active_anywhere -= 1
 
@@ -269,12 +280,9 @@ def physical_functionalization(level) -> contextlib.AbstractContextManager:
     off: they are the logical ops of the vmap outside them, which functionalizes its own."""
     if not _active_anywhere:
         return None
-    active = _active()
-    if not active or active[-1] > level.id:
-        return None  # no functionalize, or the innermost one runs inside this vmap
     b = _boundaries()
     if not b or level.id not in b:
-        return None
+        return None  # not a vmap entered directly inside a functionalize call
     return _physical()
 
 

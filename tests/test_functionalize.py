@@ -253,3 +253,37 @@ def test_writing_into_a_differentiated_input_is_refused_clearly(transform):
         t = getattr(functrans, transform)(fn)
     with pytest.raises(functrans.FunctransError, match=r"wrote in place into its input args\[0\]"):
         t(torch.randn(3))
+
+
+def _per_example_writes(a):
+    b = a.clone()
+    b.view(-1)[1:].mul_(a[:2])
+    return b * a
+
+
+@pytest.mark.parametrize("compose", ["F(F)", "F(vmap(F))", "vmap(F(vmap(F)))", "F(vmap(vmap))"])
+def test_nested_functionalize(compose):
+    # a functionalize inside another, directly or across a vmap (this crashed in PyTorch: an
+    # internal assert for F(F), a segmentation fault for F(vmap(F)))
+    F, vmap = functionalize, functrans.vmap
+    X = torch.randn(2, 4, 3)
+    fn, x = {"F(F)": (F(F(_per_example_writes)), X[0, 0]),
+             "F(vmap(F))": (F(vmap(F(_per_example_writes))), X[0]),
+             "vmap(F(vmap(F)))": (vmap(F(vmap(F(_per_example_writes)))), X),
+             "F(vmap(vmap))": (F(vmap(vmap(_per_example_writes))), X)}[compose]
+    expected = ref.vmap(ref.vmap(_per_example_writes))(X)
+    expected = expected[0, 0] if x.dim() == 1 else expected[0] if x.dim() == 2 else expected
+    assert_same(fn(x.clone()), expected)
+    gm = make_fx(fn)(x.clone())
+    assert not [o for o in _ops(gm) if o.split(".")[1].endswith("_")], _ops(gm)
+
+
+def test_input_write_back_through_nested_functionalize():
+    def g(a):
+        a.mul_(2)
+        return a.sin()
+
+    x1, x2 = torch.randn(3), None
+    x2 = x1.clone()
+    assert_same(functionalize(functionalize(g))(x1), g(x2))
+    assert_same(x1, x2)
