@@ -9,29 +9,46 @@ What this module owns
   (``_ToFunctional`` / ``_FromFunctional``: ``torch.autograd.Function``s with ``backward`` and
   ``jvp``), so ``grad``, ``vjp``, ``jacrev``, ``jvp`` and ``jacfwd`` compose over it;
 - writing mutations of inputs back to the caller's tensors after ``func`` returns;
-- ``physical_functionalization(level)``: the hook the vmap dispatcher uses so that
-  ``functionalize(vmap(f))`` works (see below).
+- ``physical_functionalization(level)`` and ``logical_ops(level)``: the hooks the vmap
+  dispatcher and ``vmap`` use so that ``functionalize(vmap(f))`` works (see below);
+- ``functional_tangents`` / ``unwrap_functional``: the hooks ``jvp`` uses (see below).
 
 How it composes
 - The Functionalize dispatch key sits below Autograd and above Python, so autograd records the
   user's ops on the functional wrappers (its backward formulas then run through the
   functionalization kernels too), and a BatchedTensor *inside* a functional wrapper
   (``vmap(functionalize(f))``) receives the already functionalized ops.
-- A functional wrapper *inside* a BatchedTensor (``functionalize(vmap(f))``): PyTorch excludes
-  the Functionalize key inside every ``__torch_dispatch__``, so a batching rule's physical ops on
-  functional wrappers would reach the dense kernels (a crash in PyTorch).  Each call records an
-  id from the level counter; the dispatcher asks ``physical_functionalization(level)`` and, for a
-  vmap level entered after an active functionalize, runs the rule with the key switched back on.
+- A functional wrapper *inside* a BatchedTensor (``functionalize(vmap(f))``, and the vmaps of
+  ``functionalize(jacrev/jacfwd/hessian(f))``): PyTorch's Functionalize kernel sits ABOVE the
+  Python key, so an op mixing a BatchedTensor with a functional tensor of the outer call (a
+  closed-over value, a tensor autograd saved for a backward formula run under the vmap, a
+  forward-AD primal with a batched tangent) would be taken by the Functionalize kernel first:
+  a functional wrapper around the batched result escapes the vmap, or an in-place op asserts
+  inside PyTorch.  So a vmap entered directly inside a functionalize call (``logical_ops``, a
+  "boundary") EXCLUDES the key for its logical ops, and the vmap handles them first, as in
+  PyTorch's own layering: its rules' physical ops run with the key on
+  (``physical_functionalization``), and ops without a BatchedTensor run with it on in
+  ``_BoundaryMode``, a dispatch mode below the vmap's own.
+- Forward-mode AD over functionalize under a vmap (``jacfwd``, ``hessian``, ``vmap(jvp)``) runs
+  by jvp's double-vjp route (see ``_no_forward_mode_under_vmap``); for it the gradient entering
+  ``func``'s graph becomes a functional wrapper and leaves it unwrapped, both differentiably
+  (``_FromFunctional.backward``, ``_ToFunctional.backward``, ``unwrap_functional``).  Inside a
+  functionalize call jvp's tangents are made functional (``functional_tangents``).
+- A functionalize inside another (directly, or across a vmap) leaves the outer pass on.
 - ``make_fx(functionalize(f))`` records the out-of-place ops the pass emits below it: a graph
   with no mutations (and with ``*_copy`` view ops for ``remove='mutations_and_views'``), plus the
-  ``copy_`` that writes a mutated input back, exactly as PyTorch's transform does.
+  ``copy_`` that writes a mutated input back, exactly as PyTorch's transform does; so does
+  ``make_fx(functionalize(jacrev/jacfwd/hessian/vmap(grad)(f)))``.
 
-Limitations: in ``functionalize(vmap(f))``, a tensor that ``f`` creates with a factory
-(``torch.zeros(3)``) and writes into before it meets a batched value keeps that write in a traced
-graph (the vmap's logical ops run with functionalization off; values are right).  As in
-PyTorch's transform, mutations of closed-over tensors are not removed (they
-are not inputs), and an input whose metadata is changed in place (``x.transpose_(0, 1)``) is
-refused with a clear error instead of being written back.
+Limitations: in a vmap inside functionalize, a tensor that the vmapped function creates with a
+factory (``torch.zeros(3)``) stays a plain tensor (forward AD materialises a Python scalar's
+zero tangent through a factory, which must stay plain), so a write into it keeps that write in a
+traced graph (values are right).  As in PyTorch's transform, mutations of closed-over tensors
+are not removed (they are not inputs), and an input whose metadata is changed in place
+(``x.transpose_(0, 1)``) is refused with a clear error instead of being written back; so is a
+write into an input that a transform differentiates (PyTorch refuses the in-place write into
+that leaf).  ``functionalize(f, remove='mutations_and_views')`` directly inside another
+functionalize call keeps the outer call's view setting.
 """
 from __future__ import annotations
 
@@ -274,9 +291,9 @@ def _key_on() -> contextlib.AbstractContextManager:
 
 def physical_functionalization(level) -> contextlib.AbstractContextManager:
     """For the vmap dispatcher: a context that switches the Functionalize key back on for the
-    physical ops of a rule of ``level`` when ``level`` is the vmap entered directly inside the
-    innermost active functionalize call (its physical values are then functional wrappers);
-    ``None`` when nothing is needed.  The physical ops of a vmap nested deeper run with the key
+    physical ops of a rule of ``level`` when ``level`` is a vmap entered directly inside a
+    functionalize call (its physical values are then functional wrappers, also when another
+    functionalize runs inside the vmap); ``None`` when nothing is needed.  The physical ops of a vmap nested deeper run with the key
     off: they are the logical ops of the vmap outside them, which functionalizes its own."""
     if not _active_anywhere:
         return None
