@@ -293,8 +293,9 @@ def physical_functionalization(level) -> contextlib.AbstractContextManager:
     """For the vmap dispatcher: a context that switches the Functionalize key back on for the
     physical ops of a rule of ``level`` when ``level`` is a vmap entered directly inside a
     functionalize call (its physical values are then functional wrappers, also when another
-    functionalize runs inside the vmap); ``None`` when nothing is needed.  The physical ops of a vmap nested deeper run with the key
-    off: they are the logical ops of the vmap outside them, which functionalizes its own."""
+    functionalize runs inside the vmap); ``None`` when nothing is needed.  The physical ops
+    of a vmap nested deeper run with the key off: they are the logical ops of the vmap outside
+    them, which functionalizes its own."""
     if not _active_anywhere:
         return None
     b = _boundaries()
