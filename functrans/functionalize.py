@@ -9,29 +9,46 @@ What this module owns
   (``_ToFunctional`` / ``_FromFunctional``: ``torch.autograd.Function``s with ``backward`` and
   ``jvp``), so ``grad``, ``vjp``, ``jacrev``, ``jvp`` and ``jacfwd`` compose over it;
 - writing mutations of inputs back to the caller's tensors after ``func`` returns;
-- ``physical_functionalization(level)``: the hook the vmap dispatcher uses so that
-  ``functionalize(vmap(f))`` works (see below).
+- ``physical_functionalization(level)`` and ``logical_ops(level)``: the hooks the vmap
+  dispatcher and ``vmap`` use so that ``functionalize(vmap(f))`` works (see below);
+- ``functional_tangents`` / ``unwrap_functional``: the hooks ``jvp`` uses (see below).
 
 How it composes
 - The Functionalize dispatch key sits below Autograd and above Python, so autograd records the
   user's ops on the functional wrappers (its backward formulas then run through the
   functionalization kernels too), and a BatchedTensor *inside* a functional wrapper
   (``vmap(functionalize(f))``) receives the already functionalized ops.
-- A functional wrapper *inside* a BatchedTensor (``functionalize(vmap(f))``): PyTorch excludes
-  the Functionalize key inside every ``__torch_dispatch__``, so a batching rule's physical ops on
-  functional wrappers would reach the dense kernels (a crash in PyTorch).  Each call records an
-  id from the level counter; the dispatcher asks ``physical_functionalization(level)`` and, for a
-  vmap level entered after an active functionalize, runs the rule with the key switched back on.
+- A functional wrapper *inside* a BatchedTensor (``functionalize(vmap(f))``, and the vmaps of
+  ``functionalize(jacrev/jacfwd/hessian(f))``): PyTorch's Functionalize kernel sits ABOVE the
+  Python key, so an op mixing a BatchedTensor with a functional tensor of the outer call (a
+  closed-over value, a tensor autograd saved for a backward formula run under the vmap, a
+  forward-AD primal with a batched tangent) would be taken by the Functionalize kernel first:
+  a functional wrapper around the batched result escapes the vmap, or an in-place op asserts
+  inside PyTorch.  So a vmap entered directly inside a functionalize call (``logical_ops``, a
+  "boundary") EXCLUDES the key for its logical ops, and the vmap handles them first, as in
+  PyTorch's own layering: its rules' physical ops run with the key on
+  (``physical_functionalization``), and ops without a BatchedTensor run with it on in
+  ``_BoundaryMode``, a dispatch mode below the vmap's own.
+- Forward-mode AD over functionalize under a vmap (``jacfwd``, ``hessian``, ``vmap(jvp)``) runs
+  by jvp's double-vjp route (see ``_no_forward_mode_under_vmap``); for it the gradient entering
+  ``func``'s graph becomes a functional wrapper and leaves it unwrapped, both differentiably
+  (``_FromFunctional.backward``, ``_ToFunctional.backward``, ``unwrap_functional``).  Inside a
+  functionalize call jvp's tangents are made functional (``functional_tangents``).
+- A functionalize inside another (directly, or across a vmap) leaves the outer pass on.
 - ``make_fx(functionalize(f))`` records the out-of-place ops the pass emits below it: a graph
   with no mutations (and with ``*_copy`` view ops for ``remove='mutations_and_views'``), plus the
-  ``copy_`` that writes a mutated input back, exactly as PyTorch's transform does.
+  ``copy_`` that writes a mutated input back, exactly as PyTorch's transform does; so does
+  ``make_fx(functionalize(jacrev/jacfwd/hessian/vmap(grad)(f)))``.
 
-Limitations: in ``functionalize(vmap(f))``, a tensor that ``f`` creates with a factory
-(``torch.zeros(3)``) and writes into before it meets a batched value keeps that write in a traced
-graph (the vmap's logical ops run with functionalization off; values are right).  As in
-PyTorch's transform, mutations of closed-over tensors are not removed (they
-are not inputs), and an input whose metadata is changed in place (``x.transpose_(0, 1)``) is
-refused with a clear error instead of being written back.
+Limitations: in a vmap inside functionalize, a tensor that the vmapped function creates with a
+factory (``torch.zeros(3)``) stays a plain tensor (forward AD materialises a Python scalar's
+zero tangent through a factory, which must stay plain), so a write into it keeps that write in a
+traced graph (values are right).  As in PyTorch's transform, mutations of closed-over tensors
+are not removed (they are not inputs), and an input whose metadata is changed in place
+(``x.transpose_(0, 1)``) is refused with a clear error instead of being written back; so is a
+write into an input that a transform differentiates (PyTorch refuses the in-place write into
+that leaf).  ``functionalize(f, remove='mutations_and_views')`` directly inside another
+functionalize call keeps the outer call's view setting.
 """
 from __future__ import annotations
 
@@ -42,6 +59,7 @@ from typing import Any, Callable, List
 
 import torch
 import torch.autograd.forward_ad as _fwAD
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _levels
 from ._pytree import leaf_paths, tree_flatten, tree_unflatten
@@ -91,22 +109,43 @@ class _ToFunctional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _unwrap(g)
+        # Differentiably (a graph from the cotangent to the result, under create_graph): the
+        # double-vjp route of jvp / jacfwd / hessian over functionalize differentiates this
+        # gradient with respect to the cotangent.
+        if _is_functional(g):
+            return _FromFunctional.apply(g, frozenset())
+        return g
 
     @staticmethod
     def jvp(ctx, t):
+        if type(t) is not torch.Tensor or any(lv.kind == "vmap" for lv in _levels.stack()):
+            _no_forward_mode_under_vmap(t)
         # A fresh wrapper: an in-place op on the input inside func updates its tangent in place
         # (with the functional primal), which must stay functionalized and must not write into
         # the caller's tangent.
         if _is_functional(t):
             return t
-        if type(t) is not torch.Tensor:
-            raise FunctransError(
-                "functionalize: forward-mode AD over functionalize (jvp, jacfwd, hessian) is "
-                f"supported with ordinary tangents only; got a tangent of type {type(t).__name__} "
-                "(jacfwd and vmap over jvp batch the tangents). Use jacrev instead of jacfwd, or "
-                "put functionalize outside: functionalize(jacfwd(f)).")
         return torch._to_functional_tensor(t)
+
+
+def _no_forward_mode_under_vmap(t) -> None:
+    """Forward-mode AD over functionalize under a vmap (jacfwd, hessian, vmap(jvp), or a jvp
+    with ordinary tangents inside any vmap) cannot run on dual tensors: forward AD makes the
+    zero tangent of a Python scalar operand (``x * 2``) with ``_efficientzerotensor``, which
+    the vmap materialises as a factory call; under the Functionalize key that becomes a
+    functional wrapper that PyTorch's Python fallback then reads as a wrapped number (a
+    storage-less tensor: a RuntimeError about unallocated data).  functrans.jvp retries by its
+    exact double-vjp route (J t = d/du <J^T u, t>, reverse mode, which composes with
+    functionalize); forward AD opened by the user (``torch.autograd.forward_ad``) gets a clear
+    error instead."""
+    from .vmap.api import ForwardModeAroundVmap  # functrans.vmap imports this module
+    if _levels.forward_ad_state() == "mine":
+        raise ForwardModeAroundVmap()
+    raise FunctransError(
+        "functionalize: forward-mode AD (torch.autograd.forward_ad) over functionalize under "
+        f"vmap is not supported (got a tangent of type {type(t).__name__}). Use "
+        "functrans.jvp / jacfwd / hessian, which take a reverse-mode route there, or "
+        "put functionalize outside: functionalize(jacfwd(f)).")
 
 
 class _FromFunctional(torch.autograd.Function):
@@ -129,11 +168,75 @@ class _FromFunctional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        # The gradient enters the graph that func recorded on functional wrappers as a
+        # functional wrapper too (differentiably): the backward formulas there then run on
+        # functional tensors only, as they would inside the functionalize call.  A plain
+        # gradient would meet them in in-place ops (an in-place op on a view records a
+        # CopySlices node, whose backward copies the gradient into a fresh tensor): PyTorch's
+        # internal assert "mutating a non-functional tensor with a functional tensor" under
+        # vmap, and wrong values in jvp's double-vjp route.
+        if isinstance(g, torch.Tensor) and not _is_functional(g):
+            g = _GradToFunctional.apply(g)
         return g, None
 
     @staticmethod
     def jvp(ctx, t, _):
         return _unwrap(t)
+
+
+def functional_tangents(tangents: List[Any]) -> List[Any]:
+    """For jvp's forward-AD route inside a functionalize call (``functionalize(jvp(f))``,
+    ``functionalize(jacfwd(f))``): the tangents as functional wrappers (under vmap: batched
+    tensors around functional wrappers), because forward AD's formulas for in-place ops write
+    the new tangent into the old one, and a plain tangent written with functional values is
+    PyTorch's internal assert "mutating a non-functional tensor with a functional tensor".
+    Differentiable (``_ToFunctional``); the tangents themselves when no call is active."""
+    if not _active_anywhere or not _active():
+        return tangents
+    return [_as_functional(t) if isinstance(t, torch.Tensor) and not _is_functional(
+        _innermost(t)) else t for t in tangents]
+
+
+def _as_functional(t: torch.Tensor) -> torch.Tensor:
+    from .vmap.batched_tensor import BatchedTensor  # functrans.vmap imports this module
+    if isinstance(t, BatchedTensor) and t.level.id > _active()[-1]:
+        # a vmap inside the functionalize call: its physical values are the functional ones
+        return BatchedTensor(_as_functional(t.value), t.bdim, t.level)
+    return _ToFunctional.apply(t)  # (a wrapper around a vmap's batched tensor outside it)
+
+
+def _innermost(t: torch.Tensor) -> torch.Tensor:
+    while hasattr(type(t), "__torch_dispatch__") and hasattr(t, "value") and \
+            isinstance(t.value, torch.Tensor):
+        t = t.value  # a BatchedTensor's physical value
+    return t
+
+
+def unwrap_functional(t: Any) -> Any:
+    """``t`` itself, or for a functional wrapper its value (after its pending updates),
+    differentiably.  For the double-vjp route of jvp (autodiff/jvp.py): the second backward
+    pass runs through the graph that a functionalize call recorded on functional wrappers, so
+    the gradients it returns for the cotangents can be functional wrappers (around the
+    BatchedTensors of jacfwd's vmap); no functionalize call is active there to unwrap them."""
+    if _is_functional(t):
+        return _FromFunctional.apply(t, frozenset())
+    return t
+
+
+class _GradToFunctional(torch.autograd.Function):
+    """A gradient into a functional wrapper, differentiably (see _FromFunctional.backward).
+    Old-style on purpose: under vmap its forward runs on the BatchedTensor itself (a
+    functional wrapper around it, the layering PyTorch's Functionalize kernel gives when a
+    batched gradient meets the functional tensors the graph saved), not on its physical
+    value; the backward unwraps it again."""
+
+    @staticmethod
+    def forward(ctx, g):
+        return torch._to_functional_tensor(g)
+
+    @staticmethod
+    def backward(ctx, gg):
+        return unwrap_functional(gg)
 
 
 def _set_tls(enabled: bool, reapply_views: bool) -> None:
@@ -151,40 +254,153 @@ def _functionalization(reapply_views: bool, marker: int):
     active = _active()
     active.append(marker)
     _active_anywhere += 1
-    _set_tls(True, reapply_views)
     try:
-        yield
+        # The key on (and not excluded: a functionalize inside a vmap that is itself inside a
+        # functionalize call, see logical_ops).  A functionalize directly inside another
+        # leaves the outer pass on (PyTorch refuses to nest its mode-style pass; the outer
+        # one already removes the mutations), keeping the outer call's view setting.
+        with torch._C._ForceDispatchKeyGuard(
+                torch._C._dispatch_tls_local_include_set(),
+                torch._C._dispatch_tls_local_exclude_set() - _KEYSET):
+            if not prev_on:
+                _set_tls(True, reapply_views)
+            try:
+                yield
+            finally:
+                if not prev_on:
+                    _set_tls(False, prev_reapply)
     finally:
-        _set_tls(prev_on, prev_reapply)
         active.pop()
         _active_anywhere -= 1
 
 
-def physical_functionalization(level) -> contextlib.AbstractContextManager:
-    """For the vmap dispatcher: a context that switches the Functionalize key back on for the
-    physical ops of a rule of ``level`` when a functionalize call is active OUTSIDE that vmap
-    (its physical values are then functional wrappers); ``None`` when nothing is needed."""
-    if not _active_anywhere:
-        return None
-    active = _active()
-    if not active or active[-1] > level.id:
-        return None  # no functionalize, or the innermost one runs inside this vmap
+def _boundaries() -> List[int]:
+    """Ids of the vmap levels entered directly inside an active functionalize call (this
+    thread): the levels whose physical ops are functionalized."""
+    s = getattr(_tls, "boundaries", None)
+    if s is None:
+        s = _tls.boundaries = []
+    return s
+
+
+def _key_on() -> contextlib.AbstractContextManager:
     include = torch._C._dispatch_tls_local_include_set() | _KEYSET
     exclude = torch._C._dispatch_tls_local_exclude_set() - _KEYSET
     return torch._C._ForceDispatchKeyGuard(include, exclude)
 
 
+def physical_functionalization(level) -> contextlib.AbstractContextManager:
+    """For the vmap dispatcher: a context that switches the Functionalize key back on for the
+    physical ops of a rule of ``level`` when ``level`` is a vmap entered directly inside a
+    functionalize call (its physical values are then functional wrappers, also when another
+    functionalize runs inside the vmap); ``None`` when nothing is needed.  The physical ops
+    of a vmap nested deeper run with the key off: they are the logical ops of the vmap outside
+    them, which functionalizes its own."""
+    if not _active_anywhere:
+        return None
+    b = _boundaries()
+    if not b or level.id not in b:
+        return None  # not a vmap entered directly inside a functionalize call
+    return _physical()
+
+
+@contextlib.contextmanager
+def _physical():
+    # _BoundaryMode stays on the mode stack below the rule: it lets the rule's physical ops
+    # (which the Functionalize kernel has already unwrapped) pass untouched.
+    _tls.physical = getattr(_tls, "physical", 0) + 1
+    try:
+        with _key_on():
+            yield
+    finally:
+        _tls.physical -= 1
+
+
+class _BoundaryMode(TorchDispatchMode):
+    """Pushed (below the vmap's own mode) by a vmap entered inside a functionalize call, while
+    the Functionalize key is excluded for that vmap's logical ops (see ``logical_ops``).  Every
+    op that no vmap rule takes (no BatchedTensor among its arguments: ops on tensors closed
+    over from the functionalized region, on saved tensors in a backward formula, forward-AD
+    primal computations, factories) comes here and runs with the key switched back on, as it
+    would outside the vmap.  Ops with a BatchedTensor pass on to the vmap dispatcher, whose
+    rules' physical ops are functionalized (``physical_functionalization``)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __init__(self, batched_type):
+        super().__init__()
+        self.batched_type = batched_type
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(_tls, "physical", 0) or self.batched_type in types:
+            return func(*args, **kwargs)
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if not any(_is_functional(a) for a in tensors) or \
+                any(isinstance(a, self.batched_type) for a in tensors):
+            # A batched op (the vmap dispatcher's), one on plain tensors only, or a factory:
+            # nothing to functionalize.  Factories stay plain tensors, as before this mode
+            # existed (see the module's Limitations): forward AD materialises the zero
+            # tangent of a wrapped number (x * 2) as a factory call, and a functional
+            # wrapper there reaches PyTorch's Python fallback, which reads its (missing) data.
+            return func(*args, **kwargs)
+        if _writes_into_plain(func, args, kwargs):
+            # An in-place op into a plain tensor (a factory's) with functional operands:
+            # PyTorch's Functionalize kernel asserts; run it unfunctionalized on their values.
+            args, kwargs = tree_unflatten(
+                [_unwrap(a) if _is_functional(a) else a
+                 for a in tree_flatten((args, kwargs))[0]], tree_flatten((args, kwargs))[1])
+            return func(*args, **kwargs)
+        with _key_on():
+            return func(*args, **kwargs)
+
+
+def _writes_into_plain(func, args, kwargs) -> bool:
+    schema = func._schema
+    if not schema.is_mutable:
+        return False
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor) and not _is_functional(t):
+                return True
+    return False
+
+
+@contextlib.contextmanager
+def _boundary(level):
+    from .vmap.batched_tensor import BatchedTensor  # functrans.vmap imports this module
+    include = torch._C._dispatch_tls_local_include_set() - _KEYSET
+    exclude = torch._C._dispatch_tls_local_exclude_set() | _KEYSET
+    b = _boundaries()
+    b.append(level.id)
+    try:
+        with torch._C._ForceDispatchKeyGuard(include, exclude), _BoundaryMode(BatchedTensor):
+            yield
+    finally:
+        b.pop()
+
+
 def logical_ops(level) -> contextlib.AbstractContextManager:
-    """For vmap: while a vmap runs inside a functionalize call, its LOGICAL ops (on
-    BatchedTensors, and factories such as ``torch.zeros`` in the vmapped function) must not be
-    functionalized at the outer level, or a functional wrapper would end up around a
-    BatchedTensor that then escapes its vmap.  Only the rules' physical ops are (see
-    ``physical_functionalization``).  A no-op when no functionalize call is active."""
+    """For vmap (entered before the vmap's own dispatch mode): while a vmap runs directly
+    inside a functionalize call, the Functionalize key is EXCLUDED for its logical ops, because
+    PyTorch's Functionalize kernel sits above the Python key: it would take an op that mixes a
+    BatchedTensor with a functional tensor of the outer functionalize (a closed-over value, a
+    tensor saved by autograd for a backward formula run under vmap, a forward-AD primal with a
+    batched tangent) before the vmap could, and wrap the batched result in a functional
+    wrapper that then escapes the vmap (or, for an in-place op, raise an internal assert).  As
+    in PyTorch's own layering the vmap handles its ops first: a rule's physical ops run with
+    the key on (``physical_functionalization``), and the ops without a BatchedTensor run with
+    it on too (``_BoundaryMode``).  A no-op when no functionalize call is active, or for a vmap
+    nested in one that already did this."""
     if not _active_anywhere or not _active() \
             or not torch._C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE):
         return contextlib.nullcontext()
-    include = torch._C._dispatch_tls_local_include_set() - _KEYSET
-    return torch._C._ForceDispatchKeyGuard(include, torch._C._dispatch_tls_local_exclude_set())
+    return _boundary(level)
 
 
 def _write_back(original: torch.Tensor, wrapped: torch.Tensor, pos) -> None:
@@ -204,6 +420,15 @@ def _write_back(original: torch.Tensor, wrapped: torch.Tensor, pos) -> None:
             f"functionalize: the function wrote in place into its input {pos()}, which carries a "
             "forward-mode tangent (jvp over functionalize); writing that mutation back is not "
             "supported. Clone the input inside the function (x = x.clone()) before writing.")
+    base = original if original._base is None else original._base
+    if original.requires_grad and base.is_leaf and base.requires_grad and \
+            torch.is_grad_enabled():
+        raise FunctransError(
+            f"functionalize: the function wrote in place into its input {pos()}, which is "
+            "being differentiated (grad, vjp, jacrev, hessian, or jvp's reverse-mode route "
+            "under vmap / jacfwd); PyTorch cannot write that mutation back into a leaf that "
+            "requires grad. Clone the input inside the function (x = x.clone()) before "
+            "writing, or return the new value instead.")
     new = _FromFunctional.apply(wrapped, frozenset((id(original),)))
     original.copy_(new)
 

@@ -32,6 +32,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from .. import _levels
+from ..functionalize import functional_tangents, unwrap_functional
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError, UnsupportedUnderVmap
 from ..vmap.api import ForwardModeAroundVmap
@@ -225,7 +226,7 @@ def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api, strict=False):
     # again on the double-vjp route.
     grad_on = torch.is_grad_enabled()
     with autodiff_level("jvp"), _forward_grad_on(), fwAD.dual_level():
-        duals = [fwAD.make_dual(p, t) for p, t in zip(flat_p, flat_t)]
+        duals = [fwAD.make_dual(p, t) for p, t in zip(flat_p, functional_tangents(flat_t))]
         out = func(*tree_unflatten(duals, spec))
         aux = None
         if has_aux:
@@ -285,9 +286,11 @@ def _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph):
                                     allow_unused=True)
     else:
         grads = [None] * len(dummies)
+    # unwrap_functional: a graph recorded inside functionalize gives functional wrappers here
     grads = iter(grads)
     return [torch.zeros_like(o) if not o.requires_grad else
-            (lambda g: torch.zeros_like(o) if g is None else g)(next(grads)) for o in flat_out]
+            (lambda g: torch.zeros_like(o) if g is None else unwrap_functional(g))(next(grads))
+            for o in flat_out]
 
 
 def _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api, strict=False):

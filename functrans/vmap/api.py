@@ -228,7 +228,8 @@ def _resolve_bits(x: torch.Tensor) -> torch.Tensor:
 
 def _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size, randomness, api):
     level = _levels.VmapLevel(batch_size, randomness)
-    with _levels.pushed(level), VmapRandomMode(level), _functionalize.logical_ops(level):
+    # logical_ops first: its mode must sit below VmapRandomMode (see functionalize.py)
+    with _levels.pushed(level), _functionalize.logical_ops(level), VmapRandomMode(level):
         batched = [a if d is None else BatchedTensor(_resolve_bits(a), d, level)
                    for a, d in zip(flat_args, flat_dims)]
         out = func(*tree_unflatten(batched, args_spec), **kwargs)
