@@ -416,3 +416,39 @@ def test_a_branch_every_example_takes_the_same_way_is_taken(example_shape):
     # and a branch taken inside grad inside vmap
     grads = ft.vmap(ft.grad(lambda a: f(a).sum()))(x)
     torch.testing.assert_close(grads, torch.full_like(x, 2.))
+
+
+# --- clone(memory_format=torch.contiguous_format) is a copy ------------------------------------
+
+@pytest.mark.parametrize("in_dims", [0, 1])
+def test_contiguous_clone_is_a_copy_under_vmap(in_dims):
+    # It used to be ``.contiguous()`` of the physical value, which is the input itself when the
+    # batch is already first and dense: a write into the "clone" wrote into the input.
+    x = torch.randn(3, 4)
+    before = x.clone()
+
+    def f(a):
+        y = a.clone(memory_format=torch.contiguous_format)
+        y.add_(1)
+        return y
+
+    out = ft.vmap(f, in_dims=in_dims)(x)
+    torch.testing.assert_close(x, before)
+    torch.testing.assert_close(out, torch.func.vmap(f, in_dims=in_dims)(before))
+
+
+def test_vmap_over_a_double_backward_through_an_inplace_view_write():
+    # autograd's CopySlices clones a slice of the gradient (contiguous_format) and then writes
+    # into the slice: with the aliasing clone, vmap over linearize's jvp_fn lost one term
+    # (I instead of 2I), silently.
+    f = lambda x: x.clone().view(-1).add_(x)  # noqa: E731
+    x = torch.randn(3)
+    _, jvp_fn = ft.linearize(f, x)
+    T = torch.randn(4, 3)
+    expected = torch.stack([torch.func.jvp(f, (x,), (t,))[1] for t in T])
+    torch.testing.assert_close(ft.vmap(jvp_fn)(T), expected)
+    xr, u = x.clone().requires_grad_(), torch.ones(3, requires_grad=True)
+    g, = torch.autograd.grad(f(xr), xr, u, create_graph=True)
+    got = ft.vmap(lambda t: torch.autograd.grad(g, u, t, retain_graph=True)[0])(T)
+    torch.testing.assert_close(got, torch.stack([torch.autograd.grad(g, u, t, retain_graph=True)[0]
+                                                 for t in T]))

@@ -121,7 +121,9 @@ def clone_rule(info, in_dims, x, *, memory_format=None):
         y, bdim, copied = _copy_layout(x, in_dims[0])
         return (y if copied else y.clone()), bdim
     # A contiguous logical tensor needs the batch dim first; other formats are layouts only.
-    return move_bdim_to_front(x, in_dims[0]).contiguous(), 0
+    # Always a copy: ``.contiguous()`` would return the input itself when it already is
+    # (autograd's CopySlices clones a grad slice this way and then writes into the slice).
+    return move_bdim_to_front(x, in_dims[0]).clone(memory_format=torch.contiguous_format), 0
 
 
 @register_batch_rule(aten.copy_.default)
