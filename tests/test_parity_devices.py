@@ -14,6 +14,7 @@ import torch.func as tf
 import torch.nn.functional as F
 
 import functrans as ft
+from tests.autodiff.test_custom_function_vmap import NumpySin  # a vmap staticmethod
 
 
 def _loop(f, *batches):
@@ -44,29 +45,10 @@ def test_vmap_jvp_with_float64_tangents(device):
         torch.testing.assert_close(g, r)
 
 
-class _Cube(torch.autograd.Function):
-    @staticmethod
-    def forward(x):
-        return x ** 3
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 3 * x ** 2 * g
-
-    @staticmethod
-    def vmap(info, in_dims, x):
-        return _Cube.apply(x), in_dims[0]
-
-
 def test_autograd_function_vmap_staticmethod(device):
     x = torch.randn(4, 3, device=device)
-    f = lambda a: _Cube.apply(a).sum()  # noqa: E731
-    torch.testing.assert_close(ft.vmap(_Cube.apply)(x), tf.vmap(_Cube.apply)(x))
+    f = lambda a: NumpySin.apply(a).sum()  # noqa: E731
+    torch.testing.assert_close(ft.vmap(NumpySin.apply)(x), tf.vmap(NumpySin.apply)(x))
     torch.testing.assert_close(ft.vmap(ft.grad(f))(x), tf.vmap(tf.grad(f))(x))
 
 
