@@ -24,6 +24,13 @@ class UnsupportedUnderVmap(FunctransError):
     """
 
 
+class InplaceIntoUnbatchedError(UnsupportedUnderVmap):
+    """An in-place op under vmap would write a batched value into an unbatched tensor (one the
+    function created with a factory, or captured from outside).  Its own type because
+    ``jvp`` tells it apart: forward AD's tangent formulas can make such a write where the
+    function itself does not (see ``autodiff/jvp.py``)."""
+
+
 class EscapedBatchedTensorError(FunctransError):
     """A BatchedTensor was used after the vmap that created it returned."""
 

@@ -26,8 +26,8 @@ from typing import Optional, Tuple, Type
 import torch
 
 import functrans
-from functrans.errors import (EscapedBatchedTensorError, TransformArgumentError,
-                              UnsupportedUnderVmap)
+from functrans.errors import (EscapedBatchedTensorError, InplaceIntoUnbatchedError,
+                              TransformArgumentError, UnsupportedUnderVmap)
 
 YES, NO, NA = "yes", "no", "n/a"
 
@@ -162,7 +162,7 @@ ENTRIES = [
                out[i] = 2 * a[i]
            return out
        ft.vmap(f)(x)
-       """, U, r"copy_.*not batched.*torch\.zeros_like\(x\)",
+       """, InplaceIntoUnbatchedError, r"copy_.*not batched.*torch\.zeros_like\(x\)",
        ("torch.zeros(shape)", "argument 0", "torch.zeros_like(x)", "out-of-place"),
        torch_func=_INPLACE_TF),
     _e("copy_into_zeros", "`out = torch.zeros(shape)` then `out.copy_(x)`",
@@ -172,7 +172,7 @@ ENTRIES = [
            out.copy_(a)
            return out
        ft.vmap(f)(x)
-       """, U, r"aten\.copy_.*not batched.*zeros_like",
+       """, InplaceIntoUnbatchedError, r"aten\.copy_.*not batched.*zeros_like",
        ("aten.copy_", "argument 0", "torch.zeros_like(x)"), torch_func=_INPLACE_TF),
     _e("iadd_into_zeros", "`out = torch.zeros(shape)` then `out += x`",
        """
@@ -181,7 +181,7 @@ ENTRIES = [
            out += a
            return out
        ft.vmap(f)(x)
-       """, U, r"aten\.add_.*not batched.*zeros_like",
+       """, InplaceIntoUnbatchedError, r"aten\.add_.*not batched.*zeros_like",
        ("aten.add_", "argument 0", "torch.zeros_like(x)", "out-of-place"),
        torch_func="RuntimeError: \"output with shape [3] doesn't match the broadcast shape "
                   "[4, 3]\" (mentions no vmap)"),
@@ -189,7 +189,7 @@ ENTRIES = [
        """
        acc = torch.zeros(3)
        ft.vmap(lambda a, acc: acc.add_(a), in_dims=(0, None))(x, acc)
-       """, U, r"aten\.add_.*argument 0.*captured from outside vmap",
+       """, InplaceIntoUnbatchedError, r"aten\.add_.*argument 0.*captured from outside vmap",
        ("aten.add_", "argument 0", "out-of-place"),
        torch_func="RuntimeError: \"output with shape [3] doesn't match the broadcast shape "
                   "[4, 3]\""),

@@ -34,7 +34,7 @@ import torch.autograd.forward_ad as fwAD
 from .. import _levels
 from ..functionalize import functional_tangents, unwrap_functional
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
-from ..errors import TransformArgumentError, UnsupportedUnderVmap
+from ..errors import InplaceIntoUnbatchedError, TransformArgumentError
 from ..vmap.api import ForwardModeAroundVmap
 from .exact_norms import autodiff_level
 from ._differentiable import (connected_outside, depends_on, detach_tree,
@@ -175,9 +175,8 @@ def _jvp_routes(func, flat_p, flat_t, spec, has_aux, api, strict):
             return result
     except ForwardModeAroundVmap:
         pass
-    except UnsupportedUnderVmap as e:
-        if not _tangent_write_into_unbatched(e):
-            raise
+    except InplaceIntoUnbatchedError:
+        pass  # See Note [a tangent formula's write into an unbatched tensor]
     except (RuntimeError, NotImplementedError) as e:
         if not (_no_forward_formula(e) or _tangent_layout_assert(e)):
             raise
@@ -197,15 +196,15 @@ def _tangent_layout_assert(e: BaseException) -> bool:
     return "has_fw_view" in str(e) and "same layout as primal" in str(e)
 
 
-def _tangent_write_into_unbatched(e: BaseException) -> bool:
-    """vmap refused an in-place write of a batched value into an unbatched tensor.  Under
-    forward AD that is often a tangent formula, not the function: an in-place op's formula
-    writes the new tangent into the old one, and a composite such as ``torch.quantile`` picks
-    its in-place ``lerp_`` branch because vmap's dispatch mode makes every tensor look like a
-    subclass to ATen (``isTensorSubclassLike``), so a batched tangent (of ``q``) is written into
-    an unbatched one (of the input).  The double-vjp route runs no tangent formula; if the
-    function itself makes the write, it raises the same error there."""
-    return "in-place operation that would write a batched value" in str(e)
+# Note [a tangent formula's write into an unbatched tensor]
+# vmap refuses an in-place write of a batched value into an unbatched tensor
+# (InplaceIntoUnbatchedError).  Under forward AD that is often a tangent formula, not the
+# function: an in-place op's formula writes the new tangent into the old one, and a composite
+# such as ``torch.quantile`` picks its in-place ``lerp_`` branch because vmap's dispatch mode
+# makes every tensor look like a subclass to ATen (``isTensorSubclassLike``), so a batched
+# tangent (of ``q``) is written into an unbatched one (of the input).  The double-vjp route
+# runs no tangent formula; if the function itself makes the write, it raises the same error
+# there.
 
 
 def _no_forward_formula(e: BaseException) -> bool:

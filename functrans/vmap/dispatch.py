@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.autograd.forward_ad as _fwAD
 
-from ..errors import EscapedBatchedTensorError, UnsupportedUnderVmap
+from ..errors import EscapedBatchedTensorError, InplaceIntoUnbatchedError, UnsupportedUnderVmap
 from .. import functionalize as _functionalize
 from . import copied_views, registry
 from .batched_tensor import BatchedTensor
@@ -172,9 +172,9 @@ def _check_inplace(op, meta: _OpMeta, args, in_dims, kwargs, level) -> None:
                 raise _inplace_error(op, name)
 
 
-def _inplace_error(op, which) -> UnsupportedUnderVmap:
+def _inplace_error(op, which) -> InplaceIntoUnbatchedError:
     arg = f"argument {which}" if isinstance(which, int) else f"the {which}= argument"
-    return UnsupportedUnderVmap(
+    return InplaceIntoUnbatchedError(
         f"vmap: {op} is an in-place operation that would write a batched value into "
         f"{arg}, which is not batched (it was created inside the function with a factory like "
         "torch.zeros(shape), or captured from outside vmap). Each example would need its own "
@@ -228,9 +228,21 @@ class _WithoutForwardAD:
 
 def _inplace_view(op, args, kwargs, level):
     """``x.squeeze_()``, ``x.unsqueeze_(d)``, ``x.transpose_(a, b)``...: run the out-of-place
-    op, then rebind the wrapper to its result and update the wrapper's logical metadata."""
+    op, then rebind the wrapper to its result and update the wrapper's logical metadata.
+    These ops change metadata and write no values, so the check for batched values written
+    into an unbatched tensor does not apply; an unbatched ``self`` is refused below, except
+    for ``resize_as_``, which reads only its template's logical shape: one shared resize (and
+    a batched ``self`` that already has the template's shape is eager's no-op)."""
     self_ = args[0]
     name = op.overloadpacket.__name__.rstrip("_")
+    if name == "resize_as" and kwargs.get("memory_format", args[2] if len(args) > 2 else None) \
+            in (None, torch.contiguous_format):
+        batched_self = type(self_) is _BT and self_.level is level
+        if not batched_self:
+            torch.ops.aten.resize_.default(self_, list(args[1].shape))
+            return self_
+        if tuple(self_.shape) == tuple(args[1].shape) and len(args) < 3 and not kwargs:
+            return self_
     functional = getattr(torch.ops.aten, name, None) if name != "as_strided" else None
     if type(self_) is not _BT or self_.level is not level or functional is None:
         raise UnsupportedUnderVmap(
@@ -253,22 +265,6 @@ def _inplace_view(op, args, kwargs, level):
     return self_
 
 
-def _resize_as_(op, args, kwargs, level):
-    """``x.resize_as_(other)``: only ``other``'s logical shape is read, so a batched ``other``
-    with an unbatched ``x`` is one shared resize of ``x`` (no batched value is written); a
-    batched ``x`` whose shape already matches is left as it is (eager's no-op).  Anything else
-    takes the general in-place-view path (None: not handled here)."""
-    self_, other = args[0], args[1]
-    fmt = kwargs.get("memory_format", args[2] if len(args) > 2 else None)
-    if fmt not in (None, torch.contiguous_format):
-        return None
-    if type(self_) is _BT and self_.level is level:
-        return self_ if tuple(self_.shape) == tuple(other.shape) and fmt is None else None
-    torch.ops.aten.resize_.default(self_, list(other.shape))
-    return self_
-
-
-_RESIZE_AS_ = torch.ops.aten.resize_as_.default
 _fw_grad_enabled = torch._C._is_fwd_grad_enabled
 _set_fw_grad_enabled = torch._C._set_fwd_grad_enabled
 _inference_mode = torch.is_inference_mode_enabled
@@ -402,10 +398,8 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], meta: _OpMeta = 
     # for an unbatched input); the fallback still gets the generic check.
     rule_checks = meta.rule_checks_inplace and not kw_batched
     if meta.checked:
-        if op is _RESIZE_AS_:   # (an in-place op: only checked ops pay for this test)
-            out = _resize_as_(op, args, kwargs, level)
-            if out is not None:
-                return out
+        if meta.inplace_view:   # metadata only: see _inplace_view
+            return _inplace_view(op, args, kwargs, level)
         if meta.mutable_pos or meta.mutable_kw:
             if copied_views._copies:
                 _check_copied_views(op, meta, vals, kwargs)
@@ -415,8 +409,6 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], meta: _OpMeta = 
             from .randomness import draws_random, random_error
             if draws_random(op, args, kwargs):
                 raise random_error(op)
-        if meta.inplace_view:
-            return _inplace_view(op, args, kwargs, level)
 
     rule = meta.rule
     call_kwargs = kwargs
