@@ -4,13 +4,13 @@ The public API mirrors PyTorch's functional transforms (same names and signature
 """
 from .errors import (EscapedBatchedTensorError, FunctransError, PerformanceWarning,
                      TransformArgumentError, UnsupportedUnderVmap)
-from .vmap.api import vmap
-from .vmap.batched_tensor import debug_unwrap
+from .batching.api import vmap
+from .batching.batched_tensor import debug_unwrap
 from .autodiff.grad import grad, grad_and_value
 from .autodiff.vjp import vjp
 from .autodiff.jvp import jvp, linearize
 from .autodiff.jacobians import jacrev, jacfwd, hessian
-from .vmap.report import FallbackReport, batching_coverage, batching_rules, record_fallbacks
+from .batching.report import FallbackReport, batching_coverage, batching_rules, record_fallbacks
 from .nn import Ensemble, functional_call, replace_all_batch_norm_modules_, stack_module_state
 from .functionalize import functionalize
 from .einops import rearrange

@@ -138,7 +138,7 @@ def _no_forward_mode_under_vmap(t) -> None:
     exact double-vjp route (J t = d/du <J^T u, t>, reverse mode, which composes with
     functionalize); forward AD opened by the user (``torch.autograd.forward_ad``) gets a clear
     error instead."""
-    from .vmap.api import ForwardModeAroundVmap  # functrans.vmap imports this module
+    from .batching.api import ForwardModeAroundVmap  # functrans.batching imports this module
     if _levels.forward_ad_state() == "mine":
         raise ForwardModeAroundVmap()
     raise FunctransError(
@@ -198,7 +198,7 @@ def functional_tangents(tangents: List[Any]) -> List[Any]:
 
 
 def _as_functional(t: torch.Tensor) -> torch.Tensor:
-    from .vmap.batched_tensor import BatchedTensor  # functrans.vmap imports this module
+    from .batching.batched_tensor import BatchedTensor  # functrans.batching imports this module
     if isinstance(t, BatchedTensor) and t.level.id > _active()[-1]:
         # a vmap inside the functionalize call: its physical values are the functional ones
         return BatchedTensor(_as_functional(t.value), t.bdim, t.level)
@@ -373,7 +373,7 @@ def _writes_into_plain(func, args, kwargs) -> bool:
 
 @contextlib.contextmanager
 def _boundary(level):
-    from .vmap.batched_tensor import BatchedTensor  # functrans.vmap imports this module
+    from .batching.batched_tensor import BatchedTensor  # functrans.batching imports this module
     include = torch._C._dispatch_tls_local_include_set() - _KEYSET
     exclude = torch._C._dispatch_tls_local_exclude_set() | _KEYSET
     b = _boundaries()

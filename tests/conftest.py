@@ -48,7 +48,7 @@ def _complete_default_run(config) -> bool:
 
 
 def pytest_sessionstart(session):
-    from functrans.vmap import registry
+    from functrans.batching import registry
 
     import functools
 

@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import functrans
 from functrans.errors import UnsupportedUnderVmap
-from functrans.vmap import decompositions
+from functrans.batching import decompositions
 from tests.oracles import bdim_choices, loop_oracle, perturb_like
 
 SIZE = 3          # batch size of the inner (or only) vmap

@@ -2,8 +2,8 @@
 cleanly otherwise), each against torch.func or a for-loop on the same inputs.
 
 The CPU-only regression tests of each fix live beside the code they test (tests/autodiff/
-test_parity_autodiff.py, tests/vmap/test_parity_vmap.py, tests/vmap/rules/test_losses_parity.py,
-tests/vmap/test_data_dependent_parity.py, tests/autodiff/test_custom_function_vmap.py, ...);
+test_parity_autodiff.py, tests/batching/test_parity_vmap.py, tests/batching/rules/test_losses_parity.py,
+tests/batching/test_data_dependent_parity.py, tests/autodiff/test_custom_function_vmap.py, ...);
 this file runs one representative of each on the device, where kernels, dtypes of index tensors
 and the autograd engine's device paths differ.
 """

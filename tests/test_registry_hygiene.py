@@ -5,8 +5,8 @@ session-level check in tests/conftest.py: it needs the whole run.)
 """
 import torch
 
-from functrans.vmap import registry
-from functrans.vmap.op_listing import decomposes_above_dispatch
+from functrans.batching import registry
+from functrans.batching.op_listing import decomposes_above_dispatch
 from tests import opinfo_sweep
 
 
@@ -47,7 +47,7 @@ def _known_fallback_ops():
     """``(name, op or None, reason)`` for each NO_RULE entry (None: a non-aten op this torch
     version does not have)."""
     import importlib
-    from functrans.vmap.known_fallbacks import NO_RULE
+    from functrans.batching.known_fallbacks import NO_RULE
     try:  # defines the torch_nn ops (torch registers them when this module is first imported)
         importlib.import_module("torch.nn.modules.linear_cross_entropy")
     except ImportError:
@@ -86,7 +86,7 @@ def test_known_fallbacks_really_fall_back():
 
 
 def test_every_functrans_family_guess_is_a_rules_file():
-    """rules_file() names functrans/vmap/rules/<family>.py only for real rules files (any other
+    """rules_file() names functrans/batching/rules/<family>.py only for real rules files (any other
     family is taken for the user's own), so every family an op without a rule can be given must
     be one."""
     guesses = {fam for _, fam in registry._FAMILY_WORDS} | {"random", "reductions", "views"}

@@ -17,7 +17,7 @@ import torch
 from .. import _levels
 from .._pytree import leaf_paths, tree_flatten, tree_unflatten
 from ..errors import EscapedBatchedTensorError, TransformArgumentError
-from ..vmap.batched_tensor import BatchedTensor
+from ..batching.batched_tensor import BatchedTensor
 
 Argnums = Union[int, Tuple[int, ...]]
 

@@ -14,7 +14,7 @@ import torch
 
 from .._pytree import tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError
-from ..vmap.api import vmap
+from ..batching.api import vmap
 from ._differentiable import Argnums, normalize_argnums, replace_argnums, select_argnums
 from .jvp import jvp_impl
 from .vjp import vjp_impl

@@ -3,7 +3,7 @@
 ``jvp`` runs on ``torch.autograd.forward_ad`` dual tensors.  PyTorch refuses nested dual levels,
 so when a forward-mode level is already active (``jvp(jvp(f))``, ``jacfwd(jacfwd(f))``), when
 an op has no forward-AD formula, or when ``func`` runs a vmap (see Note [autograd on physical
-values] in vmap/dispatch.py), jvp takes the double-vjp route instead:
+values] in batching/dispatch.py), jvp takes the double-vjp route instead:
 ``J t = d/du <J^T u, t>``, two reverse passes, exact.  ``linearize`` uses the same identity so that
 it evaluates ``func`` once and each ``jvp_fn(t)`` is a single backward pass.
 
@@ -35,7 +35,7 @@ from .. import _levels
 from ..functionalize import functional_tangents, unwrap_functional
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import InplaceIntoUnbatchedError, TransformArgumentError
-from ..vmap.api import ForwardModeAroundVmap
+from ..batching.api import ForwardModeAroundVmap
 from .exact_norms import autodiff_level
 from ._differentiable import (connected_outside, depends_on, detach_tree,
                               flatten_tensor_outputs, internal_leaf, make_differentiable,
@@ -191,7 +191,7 @@ def _tangent_layout_assert(e: BaseException) -> bool:
     ``.conj()`` view (``torch.fft.ifft``/``ihfft`` of a real input, ``hfft``) while its tangent
     is batched (``vmap(jvp(f), in_dims=(None, 0))``, ``jacfwd``): the primal carries a conj bit,
     the batched tangent's conj is materialised (Note [conjugate and negative bits] in
-    vmap/rules/autograd_ops.py), and forward AD refuses the pair.  The double-vjp route needs no
+    batching/rules/autograd_ops.py), and forward AD refuses the pair.  The double-vjp route needs no
     such pairing and is exact."""
     return "has_fw_view" in str(e) and "same layout as primal" in str(e)
 

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..autodiff.grad import grad
-from ..vmap.api import vmap
+from ..batching.api import vmap
 from .functional_call import functional_call
 
 __all__ = ["per_sample_grads", "clip_and_sum", "add_gaussian_noise", "dp_sgd_grads",

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import TransformArgumentError
-from ..vmap.api import vmap
+from ..batching.api import vmap
 from .functional_call import functional_call
 
 

@@ -12,7 +12,7 @@
 #    after it, it runs as one batched call;
 # 4. **the fallback report** on a real ATen op that still loops, and where its rule belongs.
 #
-# Some cells look at internals (`functrans._levels`, `functrans.vmap.*`) to show the machinery;
+# Some cells look at internals (`functrans._levels`, `functrans.batching.*`) to show the machinery;
 # user code needs only `functrans` and `functrans.extend`.
 
 # %%
@@ -28,7 +28,7 @@ from torch.testing import assert_close
 
 import functrans as ft
 from functrans import _levels, vmap
-from functrans.vmap.batched_tensor import BatchedTensor
+from functrans.batching.batched_tensor import BatchedTensor
 
 torch.manual_seed(0)
 torch.set_num_threads(1)   # one thread: the timings below are steadier between runs
@@ -112,7 +112,7 @@ except ft.EscapedBatchedTensorError as e:
 # `BatchedTensor` is a wrapper subclass (`torch.Tensor._make_wrapper_subclass`), so every ATen
 # op that touches one ends up in Python. (To save a round trip, each `vmap` also pushes a
 # `TorchDispatchMode` that sees every op first and forwards ops on `BatchedTensor`s straight to
-# the dispatcher in `functrans/vmap/dispatch.py`; it also handles random ops with no batched
+# the dispatcher in `functrans/batching/dispatch.py`; it also handles random ops with no batched
 # argument.) For one op the dispatcher
 #
 # 1. finds the highest level among the arguments and unwraps only that level's wrappers;
@@ -133,7 +133,7 @@ except ft.EscapedBatchedTensorError as e:
 # %%
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from functrans.vmap import randomness as _vmap_mode   # where the vmap mode calls dispatch()
+from functrans.batching import randomness as _vmap_mode   # where the vmap mode calls dispatch()
 
 
 @contextlib.contextmanager
@@ -190,7 +190,7 @@ examples = ["aten::mm", "aten::sort", "aten::sin", "aten::add_.Tensor", "aten::s
 for name in examples:
     print(f"{name:24} {ft.batching_coverage(name)}")
 
-from functrans.vmap.known_fallbacks import reason
+from functrans.batching.known_fallbacks import reason
 print("\nwhy aten::resize_ stays on the loop:", reason(torch.ops.aten.resize_.default))
 
 # %% [markdown]
@@ -410,7 +410,7 @@ print("\ncoverage of aten::histogram.bin_ct:", ft.batching_coverage("aten::histo
 # docstring says which cases it declines and why:
 
 # %%
-from functrans.vmap.rules import histograms as histogram_rules
+from functrans.batching.rules import histograms as histogram_rules
 
 doc = histogram_rules.__doc__
 print(doc[doc.index("Declined"):].strip())

@@ -3,7 +3,7 @@
 Ops like exp, tanh, sigmoid and softmax save their OUTPUT for backward; autograd stores it with
 its own ``detach``, which must cut only the inner transform's graph on the wrappers, not the
 physical value's place in the outer graph (Note [detach by the autograd engine] in
-``functrans/vmap/rules/autograd_ops.py``).  Before that, ``grad(vmap(grad(exp)))`` was zero:
+``functrans/batching/rules/autograd_ops.py``).  Before that, ``grad(vmap(grad(exp)))`` was zero:
 the fuzzer found it.  A user's ``detach()`` / ``.data`` still cut every level.  Each result is
 checked against torch.func and, for the core cases, a plain-autograd loop.
 """

@@ -10,7 +10,7 @@ import torch
 
 import functrans as ft
 from functrans.errors import EscapedBatchedTensorError
-from functrans.vmap.batched_tensor import BatchedTensor
+from functrans.batching.batched_tensor import BatchedTensor
 
 D = torch.float64
 

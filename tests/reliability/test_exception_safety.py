@@ -21,7 +21,7 @@ from torch import nn
 import functrans as ft
 from functrans import _levels
 from functrans.errors import EscapedBatchedTensorError, UnsupportedUnderVmap
-from functrans.vmap.batched_tensor import BatchedTensor
+from functrans.batching.batched_tensor import BatchedTensor
 from tests.oracles import assert_same
 
 LIB = "functrans_reliability"

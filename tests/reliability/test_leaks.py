@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import functrans as ft
-from functrans.vmap.batched_tensor import BatchedTensor
+from functrans.batching.batched_tensor import BatchedTensor
 
 MB = 1 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE")

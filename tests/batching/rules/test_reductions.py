@@ -1,4 +1,4 @@
-"""Batching rules of functrans/vmap/rules/reductions.py against the for-loop oracle.
+"""Batching rules of functrans/batching/rules/reductions.py against the for-loop oracle.
 
 Every case runs over every in_dims choice and nested (``check_vmap_all_bdims``, strict: no
 fallback), on several shapes including a logically 0-d example; float cases are also checked
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import functrans
-from functrans.vmap.op_listing import decomposes_above_dispatch
-from functrans.vmap.registry import find_rule
+from functrans.batching.op_listing import decomposes_above_dispatch
+from functrans.batching.registry import find_rule
 from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims, loop_oracle, make_batch
 
 aten = torch.ops.aten

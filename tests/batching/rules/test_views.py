@@ -1,4 +1,4 @@
-"""Batching rules of functrans/vmap/rules/views.py against the for-loop oracle.
+"""Batching rules of functrans/batching/rules/views.py against the for-loop oracle.
 
 Every case runs over every in_dims choice and nested (``check_vmap_all_bdims``, strict: no
 fallback).  Float cases are also checked under autograd, through vmap (``grad(vmap(f))``) and
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import functrans
-from functrans.vmap.op_listing import decomposes_above_dispatch
-from functrans.vmap.registry import find_rule
+from functrans.batching.op_listing import decomposes_above_dispatch
+from functrans.batching.registry import find_rule
 from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims, loop_oracle, make_batch
 
 aten = torch.ops.aten
@@ -441,7 +441,7 @@ OWNED = [aten.view.default, aten.view.dtype, aten._unsafe_view.default,
 def test_owned_ops_have_a_views_rule(op):
     assert not decomposes_above_dispatch(op)
     how, rule = find_rule(op)
-    assert how == "rule" and rule.__module__ == "functrans.vmap.rules.views"
+    assert how == "rule" and rule.__module__ == "functrans.batching.rules.views"
 
 
 def test_errors_under_nested_vmap():

@@ -2,7 +2,7 @@
 
 The default run covers the fast subset (``opinfo_sweep.FAST_OPS``: pointwise, reductions, views,
 matmul; a few samples and in_dims choices per op).  The whole of ``op_db`` (every in_dims choice,
-vmap of vmap) runs under the ``sweep`` marker: ``pytest -m sweep tests/vmap/test_opinfo_sweep.py``.
+vmap of vmap) runs under the ``sweep`` marker: ``pytest -m sweep tests/batching/test_opinfo_sweep.py``.
 An op fails on any wrong value, and on a functrans error where torch.vmap passes the same check
 (unless ``opinfo_sweep.XFAILS`` explains it).  See tests/opinfo_sweep.py for the outcomes.
 """

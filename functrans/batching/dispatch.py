@@ -278,7 +278,7 @@ def _refuse_custom_function_under_outer_grad(args, level) -> None:
     wrapper that requires grad itself belongs to a transform inside the vmap, which records the
     Function's node on the wrappers: that case is fine.)  New-style Functions with a vmap
     staticmethod or ``generate_vmap_rule`` never get here under an outer transform: see
-    vmap/custom_function.py."""
+    batching/custom_function.py."""
     for a in args:
         if type(a) is _BT and a.level is level and a.value.requires_grad and \
                 not a.requires_grad:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import functrans as ft
-from functrans.vmap.rules.pointwise import ELEMENTWISE_PRIMS
+from functrans.batching.rules.pointwise import ELEMENTWISE_PRIMS
 from tests.oracles import assert_same, check_vmap_all_bdims
 
 prims = torch.ops.prims

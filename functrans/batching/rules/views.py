@@ -36,7 +36,7 @@ would read the wrong example's memory).  ``as_strided_scatter`` writes into a fr
 eager, so it takes route (2) whenever the example's strides are a fresh tensor's.
 
 ``view`` aliases whenever one example's view exists, and copies otherwise: see Note [view after
-moving the bdim] in ``vmap/copied_views.py``, which also guards in-place writes into such copies.
+moving the bdim] in ``batching/copied_views.py``, which also guards in-place writes into such copies.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Rules derived from functional rules (vmap/derived.py): *_copy, in-place and out= variants,
+"""Rules derived from functional rules (batching/derived.py): *_copy, in-place and out= variants,
 against the loop oracle, strict (a pass proves the derived rule ran)."""
 import pytest
 import torch
 
 import functrans as ft
-from functrans.vmap import derived, registry
+from functrans.batching import derived, registry
 from tests.oracles import assert_same, check_vmap_all_bdims, loop_oracle
 
 aten = torch.ops.aten

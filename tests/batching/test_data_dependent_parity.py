@@ -1,4 +1,4 @@
-"""Data-dependent ops under vmap (see functrans/vmap/rules/data_dependent.py): per-example
+"""Data-dependent ops under vmap (see functrans/batching/rules/data_dependent.py): per-example
 results of one shape are stacked (checked against a for-loop over DIFFERENT examples, and
 torch.func where it batches them); ragged results raise an error naming the op, the shapes and
 the fix.  Also the as_strided family under nested vmap (rules/views.py) and take."""
@@ -94,7 +94,7 @@ def test_strict_fallback_and_warning_for_data_dependent_ops():
     with ft.config.strict_fallback(), pytest.raises(UnsupportedUnderVmap,
                                                     match="on purpose.*depends on the values"):
         ft.vmap(torch.nonzero)(_NZ)
-    from functrans.vmap import fallback
+    from functrans.batching import fallback
     fallback._warned.discard(torch.ops.aten.nonzero.default)
     with pytest.warns(PerformanceWarning, match="no batching rule on purpose"):
         ft.vmap(torch.nonzero)(_NZ)

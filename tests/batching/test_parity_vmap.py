@@ -390,7 +390,7 @@ def test_debug_unwrap_inside_grad_under_vmap():
 
 @pytest.mark.parametrize("example_shape", [(1,), ()])
 def test_a_branch_every_example_takes_the_same_way_is_taken(example_shape):
-    # See Note [a branch every example takes the same way] in vmap/batched_tensor.py: the
+    # See Note [a branch every example takes the same way] in batching/batched_tensor.py: the
     # result is what the loop computes (torch.func refuses every branch on a batched value).
     def f(a):
         if (a > -10).all():

@@ -1,4 +1,4 @@
-"""Batching rules of functrans/vmap/rules/factories.py.
+"""Batching rules of functrans/batching/rules/factories.py.
 
 Values, shapes and dtypes against the loop oracle (every in_dims choice, nested, strict); the
 results are BATCHED (in-place writes of batched values into them work, as under torch.vmap);

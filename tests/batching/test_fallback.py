@@ -6,7 +6,7 @@ import torch
 
 import functrans
 from functrans import vmap
-from functrans.vmap import fallback
+from functrans.batching import fallback
 from functrans.errors import PerformanceWarning, UnsupportedUnderVmap
 from tests.oracles import assert_same, loop_oracle, make_batch
 

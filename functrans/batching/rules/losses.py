@@ -19,7 +19,7 @@ Invariants:
   TARGET's rank, not the input's: multi_margin gives ``[N]`` when the target has a dim (so a
   ``[C]`` input with a ``(1,)`` target gives ``(1,)``) and ``()`` for a 0-d target;
   multilabel_margin gives ``[N]`` only for a 2-D target; nll of a ``[C]`` input gives ``()``
-  for a 0-d or a ``(1,)`` target (tests/vmap/rules/test_losses_parity.py checks every loss);
+  for a 0-d or a ``(1,)`` target (tests/batching/rules/test_losses_parity.py checks every loss);
 * chunked linear_cross_entropy: each row's loss and input gradient depend on its row only, so
   the batch folds into the rows when everything per class (linear weight, bias, class weight)
   is shared; per-example weight/bias gradients or batched per-class operands go to the loop.

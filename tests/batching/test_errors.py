@@ -35,7 +35,7 @@ def test_item_and_bool_and_control_flow():
                                lambda a: torch.unique(a)])
 def test_dynamic_shape_ops(f):
     # examples whose results have different shapes (same-shape results are stacked: see
-    # tests/vmap/test_data_dependent_parity.py)
+    # tests/batching/test_data_dependent_parity.py)
     ragged = torch.tensor([[1., -2., 3.], [4., 5., 6.], [-1., -1., 2.], [0., 1., 1.]])
     raises(UnsupportedUnderVmap, r"shape depends on the values.*torch\.where",
            lambda: vmap(f)(ragged))

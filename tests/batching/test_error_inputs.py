@@ -11,7 +11,7 @@ functrans's ``UnsupportedUnderVmap`` (the documented refusal, e.g. a data-depend
 result where eager raises is a silent wrong answer: the test fails on it.
 
 The whole of op_db runs in the default run (about 700 cases, each also nested: seconds).  Run
-``python -m tests.vmap.test_error_inputs [--ops a,b] [--nested]`` for a report with counts.
+``python -m tests.batching.test_error_inputs [--ops a,b] [--nested]`` for a report with counts.
 """
 from __future__ import annotations
 

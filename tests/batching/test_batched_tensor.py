@@ -2,8 +2,8 @@
 import torch
 
 from functrans import _levels, vmap
-from functrans.vmap import registry
-from functrans.vmap.batched_tensor import BatchedTensor
+from functrans.batching import registry
+from functrans.batching.batched_tensor import BatchedTensor
 
 
 def test_logical_metadata_and_repr():

@@ -5,7 +5,7 @@ the physical tensor (``value``), the physical dim that is the batch (``bdim``) a
 ``VmapLevel`` it belongs to.  Autograd state lives in one of two places: on the physical value
 when a transform outside the vmap differentiates through it, or on the wrapper when a transform
 inside the vmap does (see Note [autograd on physical values] in dispatch.py).  Every ATen op on
-it goes to ``functrans.vmap.dispatch.dispatch``.
+it goes to ``functrans.batching.dispatch.dispatch``.
 """
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def test_metadata_queries_fast_path_agrees_with_the_rules():
     dispatching.  The registered rules (used when an op reaches BatchedTensor.__torch_dispatch__
     without the mode, e.g. in a backward pass after the vmap returned) must give the same answers."""
     import importlib
-    d = importlib.import_module("functrans.vmap.dispatch")
+    d = importlib.import_module("functrans.batching.dispatch")
     aten = torch.ops.aten
     seen = []
 

@@ -48,13 +48,13 @@ def _changed() -> None:
     _generation[0] += 1
 
 
-_RULES_PACKAGE = __name__.rsplit(".", 1)[0] + ".rules."   # "functrans.vmap.rules."
+_RULES_PACKAGE = __name__.rsplit(".", 1)[0] + ".rules."   # "functrans.batching.rules."
 CUSTOM = "custom"   # the family of rules registered outside functrans: they live in user code
 
 
 def _registering_module() -> str:
     """The family of a rule being registered, from the module that called the register function
-    (two frames up): for a module of ``functrans.vmap.rules`` the last part of its name (a rule
+    (two frames up): for a module of ``functrans.batching.rules`` the last part of its name (a rule
     belongs to the family file that registers it, even when a factory defined elsewhere,
     helpers.keep_bdim_rule or spatial.fold_into_n_rule, built it); for any other module (a
     user's ``__main__`` or ``mylib``) ``"custom"``: its rule lives in the user's own code."""
@@ -67,7 +67,7 @@ def _registering_module() -> str:
 
 @functools.lru_cache(maxsize=None)
 def functrans_families() -> FrozenSet[str]:
-    """The names of functrans's own rules files (``functrans/vmap/rules/<family>.py``)."""
+    """The names of functrans's own rules files (``functrans/batching/rules/<family>.py``)."""
     import pathlib
     rules_dir = pathlib.Path(__file__).resolve().parent / "rules"
     return frozenset(p.stem for p in rules_dir.glob("*.py") if p.stem != "__init__")
@@ -79,7 +79,7 @@ def register_batch_rule(ops, rule: Optional[Rule] = None, *, family: Optional[st
 
     Usable as a decorator (``@register_batch_rule(aten.sum.dim_IntList)``) or called directly.
     ``family`` defaults to the name of the module that registers the rule when that is a module
-    of ``functrans.vmap.rules``, else to ``"custom"`` (messages then say the rule lives in the
+    of ``functrans.batching.rules``, else to ``"custom"`` (messages then say the rule lives in the
     user's own code).  ``checks_inplace``: the rule itself refuses (or handles) writes into
     unbatched mutable arguments, so the dispatcher's generic refusal is skipped for it (not for
     the fallback after a Decline).
@@ -178,7 +178,7 @@ def rules_file(op: torch._ops.OpOverload) -> str:
         if find_rule(op)[1] is not None:   # a rule of the user's own (that declined)
             return "your own code, where its rule is registered"
         return "your own code: register one with functrans.extend.register_batch_rule"
-    return f"functrans/vmap/rules/{family}.py"
+    return f"functrans/batching/rules/{family}.py"
 
 
 # Where a rule for an op without one belongs, by the words in its name (first match wins).

@@ -188,7 +188,7 @@ def test_loss_under_vmap_of_vmap(name):
 def test_gaussian_nll_loss_with_a_batched_var(reduction):
     """F.gaussian_nll_loss checks ``if torch.any(var < 0): raise`` in Python.  Every example
     passes the check, so the branch is taken once for the batch (Note [a branch every example
-    takes the same way] in vmap/batched_tensor.py) and the loss batches."""
+    takes the same way] in batching/batched_tensor.py) and the loss batches."""
     x, t, v = randn(3, 4), randn(3, 4, seed=1), rand(3, 4, seed=2) + 1.0  # > 0 when perturbed
     f = lambda a, b, c: F.gaussian_nll_loss(a, b, c, reduction=reduction)  # noqa: E731
     check_vmap(f, [x, t, v], (0, 0, 0))

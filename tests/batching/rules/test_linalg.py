@@ -1,4 +1,4 @@
-"""Batching rules of functrans/vmap/rules/linalg.py (the matmul family).
+"""Batching rules of functrans/batching/rules/linalg.py (the matmul family).
 
 Every case runs against the for-loop oracle over every in_dims choice and nested
 (``check_vmap_all_bdims``, strict: no fallback).  Differentiable cases are also checked under
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import functrans as ft
-from functrans.vmap.rules import linalg
+from functrans.batching.rules import linalg
 from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims, loop_oracle, make_batch
 
 g = torch.Generator().manual_seed(0)

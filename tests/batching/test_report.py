@@ -9,8 +9,8 @@ import torch
 
 import functrans
 from functrans import vmap
-from functrans.vmap import registry
-from tests.vmap.test_fallback import scaled_cumsum  # registers the custom op
+from functrans.batching import registry
+from tests.batching.test_fallback import scaled_cumsum  # registers the custom op
 
 del scaled_cumsum  # (imported for its registration only)
 
@@ -109,9 +109,9 @@ def test_batching_coverage_rejects_non_ops():
 
 def test_batching_rules_lists_rules_with_their_files():
     rules = functrans.batching_rules()
-    assert rules["aten.convolution.default"] == "functrans/vmap/rules/conv.py"
-    assert rules["aten.sin.default"] == "functrans/vmap/rules/pointwise.py"
-    assert rules["aten.permute_copy.default"] == "functrans/vmap/rules/views.py"
+    assert rules["aten.convolution.default"] == "functrans/batching/rules/conv.py"
+    assert rules["aten.sin.default"] == "functrans/batching/rules/pointwise.py"
+    assert rules["aten.permute_copy.default"] == "functrans/batching/rules/views.py"
     assert "aten.linear.default" not in rules  # composite: decomposes before vmap sees it
     assert len(rules) > 500
 
@@ -131,7 +131,7 @@ def _quiet():
 
 
 def test_declined_rule_says_so_in_warning_and_strict_error():
-    from functrans.vmap import fallback
+    from functrans.batching import fallback
     f = torch.ops.functrans_test.front_only
     fallback._warned.discard(f.default)
     with pytest.warns(functrans.PerformanceWarning, match="rule for .*front_only.* does not handle"):
@@ -143,7 +143,7 @@ def test_declined_rule_says_so_in_warning_and_strict_error():
 
 def test_deliberate_fallbacks_quote_their_reason():
     import torch.nn.functional as F
-    from functrans.vmap import fallback
+    from functrans.batching import fallback
     op = aten.adaptive_max_pool3d_backward.default
     fallback._warned.discard(op)
     x = torch.randn(3, 2, 4, 4, 4)
@@ -161,7 +161,7 @@ def test_deliberate_fallbacks_quote_their_reason():
 
 _LISTING_SCRIPT = r"""
 import json, sys, torch, functrans as ft
-from functrans.vmap.op_listing import all_overloads
+from functrans.batching.op_listing import all_overloads
 if sys.argv[1] == "after":
     # run transforms (loading the op packets they use), then load every aten packet
     ft.vmap(ft.grad(lambda x: (x ** 2).sum()))(torch.randn(2, 3))
@@ -199,7 +199,7 @@ def test_op_listing_is_the_same_in_a_fresh_process_and_after_loading_ops():
 
 
 def test_op_listing_has_only_dispatcher_ops_and_every_caller_works():
-    from functrans.vmap.op_listing import all_overloads
+    from functrans.batching.op_listing import all_overloads
     ovs = all_overloads()
     assert all(isinstance(ov, torch._ops.OpOverload) and ov.namespace == "aten" for ov in ovs)
     assert aten.add.Tensor in ovs and aten.sum.default in ovs
@@ -231,7 +231,7 @@ exec("from functrans.extend import register_batch_rule, Decline\n"
 
 
 def test_a_users_declining_rule_points_at_the_users_own_code():
-    from functrans.vmap import fallback
+    from functrans.batching import fallback
     op = torch.ops.functrans_test.softclip.default
     assert registry.family_of(op) == "custom"
     fallback._warned.discard(op)
@@ -241,8 +241,8 @@ def test_a_users_declining_rule_points_at_the_users_own_code():
     rec = report.ops[str(op)]
     assert rec.rules_file.startswith("your own code") and "rules/" not in rec.rules_file
     assert "your own code" in str(report) and "__main__" not in str(report)
-    assert not any("functrans/vmap/rules" in str(w.message) for w in caught)
-    # a rule registered from any other module outside functrans.vmap.rules, too
+    assert not any("functrans/batching/rules" in str(w.message) for w in caught)
+    # a rule registered from any other module outside functrans.batching.rules, too
     assert registry.family_of(torch.ops.functrans_test.front_only.default) == "custom"
     assert registry.rules_file(torch.ops.functrans_test.front_only.default).startswith(
         "your own code")
@@ -260,13 +260,13 @@ registry.register_batch_rule(torch.ops.functrans_test.twice.default,
 def test_an_explicit_family_outside_functrans_is_the_users_own_code():
     assert registry.rules_file(torch.ops.functrans_test.twice.default).startswith("your own code")
     # functrans's own families are unchanged
-    assert registry.rules_file(aten.convolution.default) == "functrans/vmap/rules/conv.py"
+    assert registry.rules_file(aten.convolution.default) == "functrans/batching/rules/conv.py"
     assert registry.family_of(aten.sin.default) == "pointwise"
 
 
 def test_adaptive_max_pool3d_forward_is_batched_and_not_listed_as_a_fallback():
     import torch.nn.functional as F
-    from functrans.vmap.known_fallbacks import reason
+    from functrans.batching.known_fallbacks import reason
     assert reason(aten.adaptive_max_pool3d.default) == ""
     assert reason(aten.adaptive_max_pool3d_backward.default)  # the backward still loops
     x = torch.randn(3, 2, 4, 4, 4)
