@@ -13,10 +13,10 @@ A rule receives this level's physical values (``info.batch_size`` examples stack
 """
 from .errors import PerformanceWarning, UnsupportedUnderVmap
 from .batching.helpers import (ensure_bdim_front, first_bdim, keep_bdim_rule, logical_rank,
-                           match_bdim, move_bdim_to_front, normalize_dim, pad_to_rank,
-                           physical_dim)
+                               match_bdim, move_bdim_to_front, normalize_dim, pad_to_rank,
+                               physical_dim)
 from .batching.registry import (Decline, family_of, register_batch_rule, register_tag_rule,
-                            registered_ops)
+                                registered_ops)
 
 __all__ = ["register_batch_rule", "Decline", "register_tag_rule", "registered_ops", "family_of",
            "move_bdim_to_front", "ensure_bdim_front", "physical_dim", "normalize_dim",

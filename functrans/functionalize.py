@@ -63,6 +63,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _levels
 from ._pytree import leaf_paths, tree_flatten, tree_unflatten
+from .batching.batched_tensor import BatchedTensor
 from .errors import FunctransError, TransformArgumentError
 
 __all__ = ["functionalize"]
@@ -198,7 +199,6 @@ def functional_tangents(tangents: List[Any]) -> List[Any]:
 
 
 def _as_functional(t: torch.Tensor) -> torch.Tensor:
-    from .batching.batched_tensor import BatchedTensor  # functrans.batching imports this module
     if isinstance(t, BatchedTensor) and t.level.id > _active()[-1]:
         # a vmap inside the functionalize call: its physical values are the functional ones
         return BatchedTensor(_as_functional(t.value), t.bdim, t.level)
@@ -373,7 +373,6 @@ def _writes_into_plain(func, args, kwargs) -> bool:
 
 @contextlib.contextmanager
 def _boundary(level):
-    from .batching.batched_tensor import BatchedTensor  # functrans.batching imports this module
     include = torch._C._dispatch_tls_local_include_set() - _KEYSET
     exclude = torch._C._dispatch_tls_local_exclude_set() | _KEYSET
     b = _boundaries()

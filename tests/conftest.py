@@ -48,22 +48,25 @@ def _complete_default_run(config) -> bool:
 
 
 def pytest_sessionstart(session):
+    """Count the calls of every registered rule (re-registered, through the registry's public
+    API, as a counting wrapper with the same family and flags)."""
     from functrans.batching import registry
 
     import functools
 
     def counted(key, fn):
-        @functools.wraps(fn)  # keeps __module__, __name__ and attributes such as batched_kwargs
+        @functools.wraps(fn)
         def rule(*args, **kwargs):
             _rule_calls[key] += 1
             return fn(*args, **kwargs)
         return rule
 
-    for table in (registry._overload_rules, registry._packet_rules):
-        for op, fn in list(table.items()):
-            _rule_calls[str(op)] = 0
-            table[op] = counted(str(op), fn)
-    registry._changed()
+    for op in sorted(registry.registered_ops(), key=str):
+        reg = registry.registration(op)
+        _rule_calls[str(op)] = 0
+        registry.register_batch_rule(op, counted(str(op), reg.rule), family=reg.family,
+                                     checks_inplace=reg.checks_inplace,
+                                     batched_kwargs=reg.batched_kwargs)
 
 
 def unexercised_rules():

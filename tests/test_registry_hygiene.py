@@ -6,24 +6,17 @@ session-level check in tests/conftest.py: it needs the whole run.)
 import torch
 
 from functrans.batching import registry
-from functrans.batching.op_listing import decomposes_above_dispatch
+from functrans.batching.op_schema import decomposes_above_dispatch
 from tests import opinfo_sweep
-
-
-def _overloads(key):
-    if isinstance(key, torch._ops.OpOverload):
-        return [key]
-    return [getattr(key, name) for name in key.overloads()]
 
 
 def test_no_rule_for_an_op_that_decomposes_above_dispatch():
     """A CompositeImplicitAutograd op never reaches __torch_dispatch__ as itself: a rule for it
     could never run (the dispatcher decomposes it first)."""
     dead = []
-    for key in list(registry._overload_rules) + list(registry._packet_rules):
-        ovs = _overloads(key)
-        if ovs and all(decomposes_above_dispatch(ov) for ov in ovs):
-            dead.append(str(key))
+    for op in registry.registered_ops():
+        if decomposes_above_dispatch(op):
+            dead.append(str(op))
     assert not dead, f"rules that can never run (composite ops): {dead}"
 
 
@@ -31,8 +24,8 @@ def test_every_rule_has_a_family_file():
     import pathlib
     rules_dir = pathlib.Path(registry.__file__).parent / "rules"
     files = {p.stem for p in rules_dir.glob("*.py")}
-    bad = {str(op): registry._families[op] for op in registry.registered_ops()
-           if op.namespace == "aten" and registry._families[op] not in files}
+    bad = {str(op): registry.family_of(op) for op in registry.registered_ops()
+           if op.namespace == "aten" and registry.family_of(op) not in files}
     assert not bad, bad
 
 
@@ -89,7 +82,7 @@ def test_every_functrans_family_guess_is_a_rules_file():
     """rules_file() names functrans/batching/rules/<family>.py only for real rules files (any other
     family is taken for the user's own), so every family an op without a rule can be given must
     be one."""
-    guesses = {fam for _, fam in registry._FAMILY_WORDS} | {"random", "reductions", "views"}
+    guesses = registry.guessable_families()
     assert guesses <= registry.functrans_families(), guesses - registry.functrans_families()
 
 

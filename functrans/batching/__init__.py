@@ -1,6 +1,32 @@
-"""The vmap engine: BatchedTensor, the dispatcher, the rule registry, the fallback."""
+"""The vmap engine: BatchedTensor, the level's dispatch mode, the dispatcher, the rule registry,
+the fallback.  The files, in the order an op meets them:
+
+  api.py             vmap(): arguments, batch size, chunking; pushes a level and its mode
+  mode.py            the level's dispatch mode: the entry of every op under a vmap
+  batched_tensor.py  the wrapper (value, bdim, level); top_level()
+  dispatch.py        one op as named steps: level, entry, unwrap, guards, run, rewrap
+  registry.py        one OpEntry per op: its rule and how it was found (incl. derived rules)
+  guards.py          every refusal made before a rule runs; views vmap had to copy
+  rules/             the batching rules, one file per op family (helpers.py: bdim arithmetic)
+  decompositions.py  torch._decomp for ops without a rule
+  fallback.py        the per-example loop (known_fallbacks.py: loops on purpose)
+  randomness.py      what a random op means per example (policy only)
+  above_dispatch.py  hooks that act before ATen (a batched 0-d index, an RNN's initial state)
+  custom_function.py autograd.Function under vmap (vmap staticmethods, generate_vmap_rule)
+  report.py          record_fallbacks(), batching_coverage(), batching_rules()
+  op_schema.py       what is read from an op itself: names, written arguments, kernels
+
+Importing this package registers the built-in rules (``rules``) and installs, explicitly, the
+two patches functrans makes outside its own objects: the hooks of ``above_dispatch`` and
+``torch.autograd.Function.apply`` (``custom_function``).  Importing any single module of it
+patches nothing.
+"""
+from . import above_dispatch, custom_function
+from . import rules  # noqa: F401  (importing registers every built-in rule)
 from .api import vmap
 from .batched_tensor import BatchedTensor
-from . import rules  # noqa: F401  (importing registers every built-in rule)
+
+above_dispatch.install()
+custom_function.install()
 
 __all__ = ["vmap", "BatchedTensor"]

@@ -1,6 +1,6 @@
 """``vmap``: argument checking, batch-size inference, chunking, and one batched call.
 
-One batched call pushes a ``VmapLevel`` (and its randomness mode), wraps each mapped input in a
+One batched call pushes a ``VmapLevel`` (and its dispatch mode, ``mode.py``), wraps each mapped input in a
 ``BatchedTensor``, runs the function, and turns each output back into a physical tensor with its
 batch dim at ``out_dims`` (``helpers.match_bdim``); an output that aliases an input comes back
 as a view of that input, as in eager (``_as_view_of_input``).  Wrapping needs no
@@ -22,7 +22,7 @@ from .._pytree import broadcast_prefix, describe_structure, leaf_paths, tree_fla
 from ..errors import EscapedBatchedTensorError, TransformArgumentError, UnsupportedUnderVmap
 from .batched_tensor import BatchedTensor
 from .helpers import match_bdim
-from .randomness import VmapRandomMode
+from .mode import VmapLevelMode
 
 _RANDOMNESS = ("error", "different", "same")
 
@@ -228,8 +228,8 @@ def _resolve_bits(x: torch.Tensor) -> torch.Tensor:
 
 def _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size, randomness, api):
     level = _levels.VmapLevel(batch_size, randomness)
-    # logical_ops first: its mode must sit below VmapRandomMode (see functionalize.py)
-    with _levels.pushed(level), _functionalize.logical_ops(level), VmapRandomMode(level):
+    # logical_ops first: its mode must sit below VmapLevelMode (see functionalize.py)
+    with _levels.pushed(level), _functionalize.logical_ops(level), VmapLevelMode(level):
         batched = [a if d is None else BatchedTensor(_resolve_bits(a), d, level)
                    for a, d in zip(flat_args, flat_dims)]
         out = func(*tree_unflatten(batched, args_spec), **kwargs)
@@ -368,8 +368,3 @@ def _run_chunked(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_
         else:
             merged.append(torch.cat(parts, d))
     return tree_unflatten(merged, out_spec)
-
-
-from . import custom_function as _custom_function  # noqa: E402
-
-_custom_function.install()  # Function.apply honours vmap staticmethods (see that module)

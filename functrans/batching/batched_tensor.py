@@ -4,8 +4,18 @@ A BatchedTensor reports the LOGICAL (per-example) shape, strides, dtype and devi
 the physical tensor (``value``), the physical dim that is the batch (``bdim``) and the
 ``VmapLevel`` it belongs to.  Autograd state lives in one of two places: on the physical value
 when a transform outside the vmap differentiates through it, or on the wrapper when a transform
-inside the vmap does (see Note [autograd on physical values] in dispatch.py).  Every ATen op on
-it goes to ``functrans.batching.dispatch.dispatch``.
+inside the vmap does (see Note [autograd on physical values] in dispatch.py).
+
+Under a vmap every ATen op on a wrapper reaches the level's dispatch mode first (``mode.py``);
+the wrapper's own ``__torch_dispatch__`` is the route of ops that run with no mode active (a
+backward pass the autograd engine runs after its vmap returned).  Both end in
+``dispatch.dispatch``.  Also here: ``top_level`` (the innermost vmap level among an op's
+arguments), the errors of Python conversions of a wrapper (``.item()``, ``bool()``...), and the
+hook point for the logically 0-d integer wrappers' ``__torch_function__`` (``above_dispatch.py``
+installs it).
+
+Imports: errors only (and, late, the dispatcher: the package's one import cycle, see
+``__torch_dispatch__``).
 """
 from __future__ import annotations
 
@@ -20,8 +30,6 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 _disabled_torch_function = torch._C._disabled_torch_function_impl
 _INDEX_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
                            torch.uint16, torch.uint32, torch.uint64, torch.bool})
-_GETITEM = torch._C.TensorBase.__getitem__
-_SETITEM = torch._C.TensorBase.__setitem__
 _STRIDED = torch.strided
 
 
@@ -52,14 +60,14 @@ class BatchedTensor(torch.Tensor):
 
     def __init__(self, value, bdim, level):  # state is set in __new__
         if value.dim() == 1 and value.dtype in _INDEX_DTYPES:  # logically 0-d: maybe an index
-            self._torch_function = _scalar_index_torch_function
+            self._torch_function = _scalar_index_hook
 
     # ``__torch_function__`` is disabled (PyTorch's fast path) on every wrapper except the
     # logically 0-d integer/bool ones: Python indexing calls ``.item()`` on a 0-d integer index
     # (x[k]), which has no per-example answer, so those wrappers intercept ``__getitem__`` /
-    # ``__setitem__`` (see ``_scalar_index_torch_function``), and ``torch.narrow`` /
+    # ``__setitem__`` (the hook ``above_dispatch.py`` installs), and ``torch.narrow`` /
     # ``torch.tensor_split``, which read a 0-d tensor start / sections as a Python integer
-    # inside ATen, before any dispatch (see ``rules/slicing.py``).  PyTorch's C++ check looks the
+    # inside ATen, before any dispatch.  PyTorch's C++ check looks the
     # attribute up on the instance (here a C-level property + attrgetter), and every other
     # wrapper answers PyTorch's disabled impl, so ordinary ops keep the fast path.  Looked up on
     # the class the property is "enabled", so torch.overrides' Python helpers route a call with
@@ -70,7 +78,12 @@ class BatchedTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {})
+        # The one late import of the package (tests/test_import_graph.py allows exactly this
+        # one): the dispatcher wraps its outputs in this class, and this class hands its ops to
+        # the dispatcher.  As in DTensor, the class is defined first and imports its dispatcher
+        # late.  Under a vmap ops reach the dispatcher through the level's mode, not here.
+        from .dispatch import dispatch
+        return dispatch(func, args, kwargs or {})
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"BatchedTensor(level={self.level.id}, bdim={self.bdim}, "
@@ -166,24 +179,24 @@ _BY_TORCH_TENSOR = ("torch.tensor([...]) of batched elements calls it too: build
                     "with torch.stack instead")
 
 
+# What a Python conversion of a batched value means, and what to do instead: the one text for
+# both routes (a method of the wrapper below, and aten._local_scalar_dense's rule).
+NO_PYTHON_VALUE = (
+    "a batched tensor was converted to a Python number (aten._local_scalar_dense, reached by "
+    ".item(), bool(tensor), int()/float(), or Python control flow such as `if x > 0:` / "
+    "`while x.sum() > 1:`). Under vmap the value differs per example, so no single Python "
+    "value exists. Keep the computation in tensors: replace the branch with "
+    "torch.where(cond, a, b) (compute both sides), or move the control flow outside vmap. To "
+    "index with a per-example integer, index with the 0-d tensor itself: x[k], not x[int(k)] "
+    "or x[k.item()].")
+
+
 def _python_value_error(what: str, also: str = "") -> UnsupportedUnderVmap:
     """The error of a Python conversion of a wrapper: what was called (and what else calls
-    it), then the explanation and fix of ``aten._local_scalar_dense``'s rule (one source for
-    both routes)."""
-    from .rules.data_dependent import local_scalar_dense_rule
-    try:
-        local_scalar_dense_rule(None, (None,), None)
-    except UnsupportedUnderVmap as e:
-        detail = str(e).removeprefix("vmap: ")
-    else:  # pragma: no cover - the rule always raises
-        detail = "a batched tensor has no single Python value."
+    it), then NO_PYTHON_VALUE."""
     return UnsupportedUnderVmap(
         f"vmap: {what} was called on a batched tensor inside a vmapped function"
-        f"{f' ({also})' if also else ''}. {detail[:1].upper()}{detail[1:]}")
-
-
-def is_batched(x) -> bool:
-    return isinstance(x, BatchedTensor)
+        f"{f' ({also})' if also else ''}. {NO_PYTHON_VALUE[:1].upper()}{NO_PYTHON_VALUE[1:]}")
 
 
 def debug_unwrap(tensor: torch.Tensor, *, recurse: bool = True) -> torch.Tensor:
@@ -215,30 +228,40 @@ def debug_unwrap(tensor: torch.Tensor, *, recurse: bool = True) -> torch.Tensor:
     return tensor
 
 
-def _scalar_index_torch_function(func, types, args=(), kwargs=None):
-    """``__torch_function__`` of a logically 0-d integer/bool wrapper: ``x[k]`` and
-    ``x[k] = v`` with such a ``k`` are batched in rules/indexing.py; everything else runs as
-    with torch function disabled."""
-    if func is _GETITEM or func is _SETITEM:
-        from .rules.indexing import getitem_with_batched_scalars, setitem_with_batched_scalars
-        with torch._C.DisableTorchFunctionSubclass():
-            if func is _GETITEM:
-                out = getitem_with_batched_scalars(*args)
-            else:
-                out = setitem_with_batched_scalars(*args)
-        if out is not NotImplemented:
-            return out
-    elif func in _SLICING_FUNCS:
-        from .rules.slicing import handle
-        with torch._C.DisableTorchFunctionSubclass():
-            out = handle(func, args, kwargs or {})
-        if out is not NotImplemented:
-            return out
-    return _disabled_torch_function(func, types, args, kwargs or {})
+def top_level(args, kwargs=None):
+    """The innermost (highest) vmap level among the wrappers in ``args``, their lists and
+    tuples, and ``kwargs``'s values; None when there is none.  Wrappers of that level are the
+    ones an op unwraps; wrappers of lower levels are ordinary tensors to it."""
+    level = None
+    for a in args:
+        t = type(a)
+        if t is BatchedTensor:
+            if level is None or a.level.id > level.id:
+                level = a.level
+        elif (t is list or t is tuple) and a:
+            for b in a:
+                if type(b) is BatchedTensor and (level is None or b.level.id > level.id):
+                    level = b.level
+    if kwargs:
+        for a in kwargs.values():
+            if type(a) is BatchedTensor:
+                if level is None or a.level.id > level.id:
+                    level = a.level
+            elif type(a) in (list, tuple):
+                for b in a:
+                    if type(b) is BatchedTensor and (level is None or b.level.id > level.id):
+                        level = b.level
+    return level
 
 
-_SLICING_FUNCS = frozenset({torch.narrow, torch.Tensor.narrow, torch.tensor_split,
-                            torch.Tensor.tensor_split})
+# ``__torch_function__`` of the logically 0-d integer/bool wrappers: PyTorch's disabled impl
+# until ``above_dispatch.install()`` sets the hook that batches ``x[k]``, ``x[k] = v``,
+# ``torch.narrow(x, d, k, n)`` with such a ``k``.
+_scalar_index_hook = _disabled_torch_function
 
 
-from .dispatch import dispatch as _dispatch  # noqa: E402  (circular: dispatch needs the class)
+def set_scalar_index_hook(hook) -> None:
+    """Install ``hook(func, types, args, kwargs)`` as the ``__torch_function__`` of the wrappers
+    created from now on that are logically 0-d integers or bools (see above_dispatch.py)."""
+    global _scalar_index_hook
+    _scalar_index_hook = hook

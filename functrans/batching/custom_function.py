@@ -47,9 +47,11 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
 
+from .. import _levels
 from .._pytree import broadcast_prefix, tree_flatten, tree_unflatten
 from ..errors import UnsupportedUnderVmap
-from .batched_tensor import BatchedTensor
+from .batched_tensor import BatchedTensor, top_level
+from .mode import VmapLevelMode
 
 _BT = BatchedTensor
 _Function = torch.autograd.Function
@@ -67,20 +69,9 @@ class VmapInfo(NamedTuple):
 
 
 def _top_level(args):
-    """The highest live vmap level among the arguments (and one level of list/tuple), or None."""
-    level = None
-    for a in args:
-        t = type(a)
-        if t is _BT:
-            if level is None or a.level.id > level.id:
-                level = a.level
-        elif (t is list or t is tuple) and a:
-            for b in a:
-                if type(b) is _BT and (level is None or b.level.id > level.id):
-                    level = b.level
-    if level is None or not level.alive:
-        return None
-    return level
+    """The innermost live vmap level among the arguments, or None."""
+    level = top_level(args)
+    return level if level is not None and level.alive else None
 
 
 def _apply(cls, *args, **kwargs):
@@ -183,7 +174,7 @@ class _Call:
 
 
 class _Below:
-    """Run code below ``level``: pop the randomness modes of that level and of inner levels
+    """Run code below ``level``: pop the dispatch modes of that level and of inner levels
     (they sit on top of the dispatch mode stack), push them back afterwards."""
     __slots__ = ("level", "popped")
 
@@ -191,11 +182,10 @@ class _Below:
         self.level = level
 
     def __enter__(self):
-        from .randomness import VmapRandomMode
         self.popped = []
         while True:
             mode = _get_current_dispatch_mode()
-            if not (isinstance(mode, VmapRandomMode) and mode.level.id >= self.level.id):
+            if not (isinstance(mode, VmapLevelMode) and mode.level.id >= self.level.id):
                 break
             self.popped.append(_pop_mode())
 
@@ -340,7 +330,7 @@ def _vmapified_rule(cls, info, in_dims, vals, kwargs):
         saving = _CtxSavingBdims(ctx)
 
         def inner(inputs, output):
-            saving._level = _levels_stack()[-1]
+            saving._level = _levels.stack()[-1]
             cls.setup_context(saving, inputs, output)
 
         _restore_vmap(inner, (in_dims, out_dims), info)(tuple(inputs), output)
@@ -377,23 +367,16 @@ def _vmapified_rule(cls, info, in_dims, vals, kwargs):
     return out, state["out_dims"]
 
 
-def _levels_stack():
-    from .. import _levels
-    return _levels.stack()
-
-
 def _restore_vmap(fn, in_dims, info):
     """``fn`` under a fresh vmap level of ``info``'s batch size and randomness; returns its
     outputs (physical) and their batch dims (None for outputs that are not batched), with the
     structure of the output."""
-    from .. import _levels
-    from .randomness import VmapRandomMode
 
     def run(*args):
         flat, spec = tree_flatten(args)
         flat_dims = broadcast_prefix(in_dims, args, _is_dim_leaf)
         level = _levels.VmapLevel(info.batch_size, info.randomness)
-        with _levels.pushed(level), VmapRandomMode(level):
+        with _levels.pushed(level), VmapLevelMode(level):
             wrapped = [x if d is None or not isinstance(x, torch.Tensor) else
                        BatchedTensor(x, d % x.dim(), level) for x, d in zip(flat, flat_dims)]
             out = fn(*tree_unflatten(wrapped, spec))

@@ -3,13 +3,18 @@
 The decomposition runs on the wrappers themselves, so each of its ops re-dispatches into the
 batching rules.  The table is loaded lazily (importing ``torch._decomp`` is slow).  Some
 decompositions cannot run under vmap (they call ``.item()`` or write into a fresh unbatched
-tensor): when one raises, the op is remembered and sent to the loop fallback from then on, so a
-decomposition can only ever make an op faster, never wrong or broken.
+tensor).  A failure is local to its op: that op's decomposition is disabled, no other, and the
+fallback's once-per-op warning says why (``failure(op)``).  A decomposition that raises
+something else may have met an invalid input (eager raises too): it is disabled only once the
+loop fallback succeeds on the same arguments (``confirming``), so a user's own shape error
+disables nothing.  A decomposition can only ever make an op faster, never wrong or broken.
+
+Imports: errors.
 """
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -17,7 +22,7 @@ from ..errors import UnsupportedUnderVmap
 
 _table: Optional[Dict[Any, Callable]] = None
 _lock = threading.Lock()
-_failed: Set[Any] = set()
+_failed: Dict[Any, str] = {}   # op -> why its decomposition cannot run under vmap
 
 # Decompositions known to be unsuitable under vmap (they are slower than the fallback, or
 # their semantics differ from the eager kernel).  Add entries with a reason.
@@ -48,8 +53,28 @@ def has_decomposition(op) -> bool:
     return op not in _failed and op in _load()
 
 
+def failure(op) -> str:
+    """Why ``op``'s decomposition was disabled under vmap, or ''."""
+    return _failed.get(op, "")
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error).split("\n")[0]
+    return f"{type(error).__name__}: {text[:200]}"
+
+
+class Raised:
+    """``run_decomposition``'s second value when the decomposition raised an error that may
+    be the input's (see ``confirming``)."""
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
 def run_decomposition(op, args, kwargs) -> Tuple[bool, Any]:
-    """(True, result) if a decomposition of ``op`` ran on the wrappers, else (False, None)."""
+    """(True, result) if a decomposition of ``op`` ran on the wrappers; else (False, None), or
+    (False, Raised(error)) when it raised an error that may be the input's own."""
     if op in _failed:
         return False, None
     fn = _load().get(op)
@@ -57,31 +82,29 @@ def run_decomposition(op, args, kwargs) -> Tuple[bool, Any]:
         return False, None
     try:
         result = fn(*args, **kwargs)
-    except UnsupportedUnderVmap:
+    except UnsupportedUnderVmap as e:
         # It cannot run under vmap (e.g. .item() inside, or a write into a fresh unbatched
-        # tensor): remembered, so the fallback runs the op per example from now on.
-        _failed.add(op)
+        # tensor): disabled for this op, so the fallback runs it per example from now on.
+        _failed[op] = _describe(e)
         return False, None
-    except Exception:
+    except Exception as e:
         # Anything else may be an error of these arguments (an invalid input: eager raises
-        # too) or of the decomposition under vmap.  The fallback decides: it re-raises an
-        # invalid input's error with the eager kernel's own message (the next valid call still
-        # gets the decomposition), and when it succeeds the decomposition is remembered as
-        # unusable (see ``confirming``).
-        return False, RAISED
+        # too) or of the decomposition under vmap.  The fallback decides (``confirming``).
+        return False, Raised(e)
     if result is NotImplemented:  # the decomposition declines these inputs (e.g. ceil_mode)
         return False, None
     return True, result
 
 
-RAISED = object()   # run_decomposition's second value when the decomposition raised
-
-
-def confirming(op, fallback: Callable) -> Callable:
-    """``fallback``, which also remembers ``op``'s decomposition as unusable under vmap once
-    the fallback succeeds on the arguments the decomposition failed on."""
+def confirming(op, fallback: Callable, error: BaseException) -> Callable:
+    """``fallback``, which disables ``op``'s decomposition when it succeeds on the arguments
+    the decomposition failed on (then the failure was the decomposition's, not the input's:
+    an invalid input makes the fallback raise eager's own error, and nothing is disabled)."""
     def run(*args, **kwargs):
-        out = fallback(*args, **kwargs)
-        _failed.add(op)
-        return out
+        _failed[op] = _describe(error)   # so the fallback's warning can say why
+        try:
+            return fallback(*args, **kwargs)
+        except BaseException:
+            _failed.pop(op, None)
+            raise
     return run

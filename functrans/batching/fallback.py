@@ -5,12 +5,19 @@ index, call the op on the slices, and stack the results.  In-place and ``out=`` 
 slices (views) of their batched target, so the target is updated in place.  Non-tensor outputs
 must agree across the batch, and so must the shapes of tensor outputs (ops whose output shape
 depends on the data, ``nonzero``/``unique``..., run here and stack when every example agrees; when
-they differ, ``rules.data_dependent.ragged_results_error`` says so).  The fallback warns once per op with a ``PerformanceWarning`` that
-names the rules file where a rule belongs, and ``functrans.config.strict_fallback()`` turns it
-into an error.  ``record_fallbacks()`` observers see every call with its time.
+they differ, ``ragged_results_error`` says so and how to get a fixed shape).  The fallback warns
+once per op with a ``PerformanceWarning`` that names the rules file where a rule belongs (or why
+the op has none on purpose, ``known_fallbacks``, and why its decomposition could not run), and
+``functrans.config.strict_fallback()`` turns it into an error.  ``record_fallbacks()``
+observers see every call with its time.
+
+Imports: config, errors, batched_tensor, decompositions, known_fallbacks, op_schema, randomness,
+registry.
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
 import warnings
 from typing import Any, Callable, List, Set
@@ -19,7 +26,11 @@ import torch
 
 from .. import config
 from ..errors import PerformanceWarning, UnsupportedUnderVmap
+from . import decompositions
 from .batched_tensor import BatchedTensor
+from .known_fallbacks import reason
+from .op_schema import written_arguments
+from .randomness import draws_random
 from .registry import rules_file
 
 _warned: Set[Any] = set()
@@ -39,7 +50,6 @@ def _stack(outs: List[Any], op, output: int = 0):
     if isinstance(first, torch.Tensor):
         if any(o.shape != first.shape for o in outs[1:]):
             # the op's output shape depends on the data (nonzero, unique...): say so
-            from .rules.data_dependent import ragged_results_error
             raise ragged_results_error(op, [o.shape for o in outs], output)
         return torch.stack(outs), 0
     if isinstance(first, (tuple, list)):
@@ -53,8 +63,44 @@ def _stack(outs: List[Any], op, output: int = 0):
         "Python values inside vmap; keep the computation in tensors (e.g. torch.where).")
 
 
+# How to get a fixed shape, per op (the overload packet's name).
+_FIXES = {
+    "nonzero": "torch.nonzero_static(x, size=n, fill_value=-1) pads every example to n rows "
+               "and batches without a loop",
+    "argwhere": "torch.nonzero_static(x, size=n, fill_value=-1) pads every example to n rows",
+    "masked_select": "torch.where(mask, x, 0) (or x * mask) keeps the shape fixed",
+    "index": "torch.where(mask, x, 0) instead of x[mask] keeps the shape fixed (the gradient of "
+             "x[mask] = v with respect to v reads v[mask] too: write with torch.where(mask, v, "
+             "x), v broadcast to x's shape, instead)",
+    "bincount": "pass minlength= larger than every value (all examples then have that length), "
+                "or count with torch.zeros(n).index_add_(0, x, weights)",
+    "repeat_interleave": "make the repeats sum to the same total in every example (pad with a "
+                         "dummy element repeated the difference)",
+    "linalg_lstsq": "the residuals are empty for a rank-deficient example: pass "
+                    "driver='gelsy' (no residuals) or compute them as ((A @ X - B) ** 2).sum(-2)",
+}
+_UNIQUE_FIX = ("unique has no fixed-size form: sort instead (torch.sort, then a mask of first "
+               "occurrences, x[1:] != x[:-1]) and keep the mask")
+
+
+def ragged_results_error(op, shapes, output: int = 0) -> UnsupportedUnderVmap:
+    """The error for per-example results of different shapes (the loop fallback's)."""
+    name = op.overloadpacket.__name__
+    fix = _FIXES.get(name) or (_UNIQUE_FIX if "unique" in name else
+                               "pad the results to one size (and carry a mask)")
+    shown = ", ".join(f"example {i}: {list(s)}" for i, s in enumerate(shapes[:4]))
+    if len(shapes) > 4:
+        shown += ", ..."
+    return UnsupportedUnderVmap(
+        f"vmap: {op} returns a tensor whose shape depends on the values of its input, and the "
+        f"examples of this batch gave different shapes (output {output}: {shown}), so they "
+        "cannot be stacked into one batched tensor. Use a fixed-shape formulation: "
+        f"{fix}; in general torch.where(mask, x, 0) instead of x[mask], or pad to a known "
+        "size and carry a mask. To keep ragged results, call the function per example outside "
+        "vmap and collect them with torch.nested.nested_tensor([...]).")
+
+
 def _fallback_error(op, declined: bool = False) -> UnsupportedUnderVmap:
-    from .known_fallbacks import reason
     what = f"the batching rule for {op} declined these arguments" if declined else \
         f"there is no batching rule for {op}"
     why = reason(op)
@@ -67,8 +113,6 @@ def _fallback_error(op, declined: bool = False) -> UnsupportedUnderVmap:
 
 def _user_stacklevel() -> int:
     """The stacklevel of the first frame outside functrans and torch (the user's line)."""
-    import os
-    import sys
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     frame, level = sys._getframe(1), 1
@@ -109,7 +153,6 @@ def loop_fallback(op, level, in_dims, *vals, _declined: bool = False, **kwargs):
             "with in_dims=0 (x.movedim(d, 0).contiguous()) and call .clone() on it first.")
     if config.is_strict():
         raise _fallback_error(op, _declined)
-    from .randomness import draws_random
     if level.randomness == "same" and draws_random(op, vals, kwargs):
         raise UnsupportedUnderVmap(
             f"vmap: {op} has no batching rule, and running it per example would give each "
@@ -117,10 +160,12 @@ def loop_fallback(op, level, in_dims, *vals, _declined: bool = False, **kwargs):
             "randomness='different', or draw the random values outside vmap and pass them in.")
     if config.warn_on_fallback and op not in _warned:
         _warned.add(op)
-        from .known_fallbacks import reason
         why = reason(op)
         where = f"no batching rule on purpose: {why}" if why else \
             f"a rule for it belongs in {rules_file(op)}"
+        failed = decompositions.failure(op)
+        if failed:
+            where += f"; its torch._decomp decomposition cannot run under vmap ({failed})"
         what = f"the batching rule for {op} does not handle these arguments" if _declined \
             else f"no batching rule for {op}"
         warnings.warn(
@@ -163,20 +208,14 @@ def loop_fallback(op, level, in_dims, *vals, _declined: bool = False, **kwargs):
 
 def _mutated_targets(op, vals, in_dims, kw_items, kw_vals, kw_dims):
     """For in-place / out= ops: the written (physical value, bdim) pairs, else None."""
-    schema = op._schema
-    written = []
-    pos_args = [a for a in schema.arguments if not a.kwarg_only]
-    for i, a in enumerate(pos_args):
-        if a.alias_info is not None and a.alias_info.is_write and i < len(vals):
-            written.append((vals[i], in_dims[i]))
-    for (name, _), v, d in zip(kw_items, kw_vals, kw_dims):
-        a = next((x for x in schema.arguments if x.name == name), None)
-        if a is not None and a.alias_info is not None and a.alias_info.is_write:
-            written.append((v, d))
+    positions, names = written_arguments(op)
+    written = [(vals[i], in_dims[i]) for i in positions if i < len(vals)]
+    written += [(v, d) for (name, _), v, d in zip(kw_items, kw_vals, kw_dims) if name in names]
     if not written:
         return None
-    if not schema.returns:
+    returns = op._schema.returns
+    if not returns:
         return None, None
-    if len(schema.returns) == 1 and len(written) >= 1:
+    if len(returns) == 1:
         return written[0]
     return tuple(w[0] for w in written), tuple(w[1] for w in written)

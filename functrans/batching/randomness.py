@@ -1,9 +1,6 @@
-"""Randomness under vmap for random ops that see no batched argument of this level.
+"""Randomness policy under vmap: which ops draw, and what a draw means per example.
 
-``torch.randn(3)`` inside a vmapped function has no tensor argument, so it never reaches
-``BatchedTensor.__torch_dispatch__``.  While a vmap runs, a ``TorchDispatchMode`` of its level is
-active; it looks only at ops tagged ``torch.Tag.nondeterministic_seeded`` whose arguments carry
-nothing batched at its level, and applies the level's randomness:
+A vmap's ``randomness`` argument decides what a random op means for the examples of a batch:
 
 * ``'error'``: raise, as PyTorch's own vmap does;
 * ``'same'``: run the op once; every example sees the same values (an unbatched result);
@@ -14,18 +11,23 @@ nothing batched at its level, and applies the level's randomness:
   (``empty_like(x).bernoulli_(1 - p)`` in ATen) works, ``empty_like``/``new_empty`` of an
   unbatched tensor give a batched one under 'different' (uninitialised values either way).
 
-Random ops on batched tensors are handled by the rules in ``rules/random.py``.
+This module is policy only: the level's dispatch mode (``mode.py``) calls ``unbatched_random``
+and ``batched_empty`` for random ops that see no batched argument of its level (``torch.randn(3)``
+inside a vmapped function has no tensor argument, so no wrapper would ever see it); the guards
+(``guards.py``) call ``draws_random`` / ``random_error`` for random ops on batched tensors, whose
+rules are in ``rules/random.py``.
+
+Imports: errors, batched_tensor.  Never the dispatcher.
 """
 from __future__ import annotations
 
 from typing import Dict
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UnsupportedUnderVmap
 from .batched_tensor import BatchedTensor
-from .dispatch import _op_meta, dispatch, op_meta
+from .op_schema import written_arguments
 
 _is_random: Dict[object, bool] = {}
 # Random ops that lack the nondeterministic_seeded tag.
@@ -72,63 +74,6 @@ def random_error(op) -> UnsupportedUnderVmap:
         "per-sample training) or randomness='same' (one draw shared by the whole batch) to vmap.")
 
 
-def _batched_at(a, level) -> bool:
-    """Does ``a`` carry a wrapper of ``level`` or of an inner level?  Such an op reaches this
-    level through the dispatcher (an inner level's rule calls ops on this level's wrappers)."""
-    if type(a) is BatchedTensor:
-        return a.level.id >= level.id
-    if type(a) in (list, tuple):
-        return any(type(b) is BatchedTensor and b.level.id >= level.id for b in a)
-    return False
-
-
-class VmapRandomMode(TorchDispatchMode):
-    """Pushed by each vmap call.  Because a mode sees every op before any tensor subclass, it
-    also forwards the ops on BatchedTensors straight to the dispatcher: going back through
-    ``func(*args)`` would cross the C++ dispatcher and Python a second time, which made every op
-    under vmap about a third slower.  The dispatcher then runs with this mode popped and the
-    modes of outer levels active, so the ops a rule issues reach the outer levels' modes."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo by default, which
-        # costs microseconds on every op under vmap (and imports dynamo on the first call); this
-        # mode is never traced.
-        return False
-
-    def __init__(self, level):
-        super().__init__()
-        self.level = level
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        meta = _op_meta.get(id(func)) or op_meta(func)
-        if meta.query is not None and types == _ONLY_BATCHED:
-            answer = meta.query(*args)
-            if answer is not None:
-                return answer
-        if meta.random and draws_random(func, args, kwargs) \
-                and not any(_batched_at(a, self.level) for a in args) \
-                and not any(_batched_at(a, self.level) for a in kwargs.values()):
-            return unbatched_random(func, args, kwargs, self.level)
-        if meta.uninitialized and self.level.randomness == "different" \
-                and not _batched_at(args[0], self.level):
-            return batched_empty(func, args, kwargs, self.level)
-        if types == _ONLY_BATCHED:
-            return dispatch(func, args, kwargs, meta)
-        if func is _EFFICIENT_ZEROS:
-            # Forward AD makes the tangent of an input that has none (a closed-over tensor)
-            # with _efficientzerotensor.  A storage-less ZeroTensor that reaches a Python mode
-            # is passed on to kernels with no ZeroTensor handling (aten.mul.Scalar in
-            # addcmul's formula): a segmentation fault in PyTorch.  Materialise it.
-            return _aten.zeros.default(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-_ONLY_BATCHED = (BatchedTensor,)
-_EFFICIENT_ZEROS = torch.ops.aten._efficientzerotensor.default
-
-
 def batched_empty(op, args, kwargs, level):
     """``empty_like(x)`` / ``x.new_empty(size)`` of an unbatched ``x`` under 'different': a
     batched tensor (its values are arbitrary either way), so that a random fill that follows,
@@ -148,13 +93,12 @@ def unbatched_random(op, args, kwargs, level):
     if mode == "same":
         return op(*args, **kwargs)
     schema = op._schema
-    for a in schema.arguments:
-        if a.alias_info is not None and a.alias_info.is_write:
-            raise UnsupportedUnderVmap(
-                f"vmap: {op} fills a tensor that is not batched with random values in place, "
-                "but randomness='different' asks for different values per example. Create the "
-                "tensor from a batched input (e.g. torch.empty_like(x).uniform_()) or draw "
-                "out-of-place with the batch in mind (torch.rand_like(x)).")
+    if any(written_arguments(op)):
+        raise UnsupportedUnderVmap(
+            f"vmap: {op} fills a tensor that is not batched with random values in place, "
+            "but randomness='different' asks for different values per example. Create the "
+            "tensor from a batched input (e.g. torch.empty_like(x).uniform_()) or draw "
+            "out-of-place with the batch in mind (torch.rand_like(x)).")
     size = level.batch_size
     names = [a.name for a in schema.arguments]
     if "size" in names:

@@ -24,6 +24,9 @@ from typing import Dict, Iterator, Optional, Union
 import torch
 
 from . import fallback, registry
+from .decompositions import has_decomposition
+from .known_fallbacks import reason
+from .op_schema import all_overloads, overload_named
 
 OpLike = Union[torch._ops.OpOverload, torch._ops.OpOverloadPacket, str]
 
@@ -46,7 +49,6 @@ class FallbackReport:
     def _add(self, op, seconds: float) -> None:
         rec = self.ops.get(str(op))
         if rec is None:
-            from .known_fallbacks import reason
             rec = self.ops[str(op)] = FallbackRecord(
                 str(op), rules_file=registry.rules_file(op), on_purpose=reason(op))
         rec.calls += 1
@@ -116,16 +118,9 @@ def _overload(op: OpLike) -> torch._ops.OpOverload:
     if isinstance(op, torch._ops.OpOverloadPacket):
         return op.default
     if isinstance(op, str):
-        namespace, sep, rest = op.partition("::")
-        if not sep:
-            parts = op.split(".")
-            namespace, rest = ("aten", op) if len(parts) < 3 else (parts[0], ".".join(parts[1:]))
-        packet_name, _, overload = rest.partition(".")
-        try:
-            return getattr(getattr(getattr(torch.ops, namespace), packet_name),
-                           overload or "default")
-        except AttributeError:
-            pass
+        ov = overload_named(op)
+        if ov is not None:
+            return ov
     raise TypeError(f"batching_coverage: expected an OpOverload, OpOverloadPacket or an op "
                     f"name like 'aten.index_add.default' or 'aten::index_add', got {op!r}")
 
@@ -139,15 +134,13 @@ def batching_coverage(op: OpLike) -> str:
         return "composite"
     if how != "none":
         return how
-    from .decompositions import has_decomposition
     return "decomposition" if has_decomposition(ov) else "fallback"
 
 
 def batching_rules() -> Dict[str, str]:
     """``{op overload name: rules file}`` for every ATen overload with a rule of any kind
     (explicit, tag or derived).  The ATen overloads are all those the dispatcher registers
-    (``op_listing.all_overloads()``), so the answer does not depend on what ran before."""
-    from .op_listing import all_overloads
+    (``op_schema.all_overloads()``), so the answer does not depend on what ran before."""
     out = {}
     for ov in all_overloads():
         try:

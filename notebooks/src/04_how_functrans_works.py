@@ -133,7 +133,7 @@ except ft.EscapedBatchedTensorError as e:
 # %%
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from functrans.batching import randomness as _vmap_mode   # where the vmap mode calls dispatch()
+from functrans.batching import mode as _vmap_mode   # where the vmap mode calls dispatch()
 
 
 @contextlib.contextmanager

@@ -1,10 +1,10 @@
-"""Rules derived from functional rules (batching/derived.py): *_copy, in-place and out= variants,
+"""Rules derived from functional rules (Note [derived rules] in batching/registry.py): *_copy, in-place and out= variants,
 against the loop oracle, strict (a pass proves the derived rule ran)."""
 import pytest
 import torch
 
 import functrans as ft
-from functrans.batching import derived, registry
+from functrans.batching import registry
 from tests.oracles import assert_same, check_vmap_all_bdims, loop_oracle
 
 aten = torch.ops.aten
@@ -21,7 +21,7 @@ X = torch.randn(3, 4, 5)
     (aten.add.Tensor, "", None),
 ])
 def test_counterparts_are_found_by_schema(op, kind, base):
-    assert derived.counterpart(op) == (kind, base)
+    assert registry.counterpart(op) == (kind, base)
 
 
 def test_copy_variants():

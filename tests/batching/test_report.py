@@ -161,7 +161,7 @@ def test_deliberate_fallbacks_quote_their_reason():
 
 _LISTING_SCRIPT = r"""
 import json, sys, torch, functrans as ft
-from functrans.batching.op_listing import all_overloads
+from functrans.batching.op_schema import all_overloads
 if sys.argv[1] == "after":
     # run transforms (loading the op packets they use), then load every aten packet
     ft.vmap(ft.grad(lambda x: (x ** 2).sum()))(torch.randn(2, 3))
@@ -174,7 +174,7 @@ print(json.dumps({"overloads": sorted(map(str, all_overloads())),
 """
 
 
-def test_op_listing_is_the_same_in_a_fresh_process_and_after_loading_ops():
+def test_op_schema_is_the_same_in_a_fresh_process_and_after_loading_ops():
     import json
     import pathlib
     import subprocess
@@ -198,8 +198,8 @@ def test_op_listing_is_the_same_in_a_fresh_process_and_after_loading_ops():
                                            if n.startswith("aten::")})
 
 
-def test_op_listing_has_only_dispatcher_ops_and_every_caller_works():
-    from functrans.batching.op_listing import all_overloads
+def test_op_schema_has_only_dispatcher_ops_and_every_caller_works():
+    from functrans.batching.op_schema import all_overloads
     ovs = all_overloads()
     assert all(isinstance(ov, torch._ops.OpOverload) and ov.namespace == "aten" for ov in ovs)
     assert aten.add.Tensor in ovs and aten.sum.default in ovs

@@ -4,4 +4,4 @@ from . import autograd_ops, conv, data_dependent, indexing, losses, padding  # n
 from . import fft, pooling, sorting  # noqa: F401
 from . import linalg_solvers, embedding, norms, upsample, spatial  # noqa: F401
 from . import attention, activations, histograms, rnn  # noqa: F401
-from . import slicing, sparse  # noqa: F401
+from . import sparse  # noqa: F401

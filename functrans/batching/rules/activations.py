@@ -15,10 +15,11 @@ from __future__ import annotations
 import torch
 
 from ..helpers import ensure_bdim_front, front_dim, logical_rank, pad_to_rank, physical_dim
-from ..registry import register_batch_rule
+from ..registry import registrar
 from .pointwise import pointwise_rule_for
 
 aten = torch.ops.aten
+register_batch_rule = registrar("activations")   # the rules below live in this file
 
 # Elementwise in all their tensor arguments, but not tagged pointwise by ATen.
 _ELEMENTWISE = (

@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 
 from ..helpers import ensure_bdim_front, logical_rank, physical_dim
-from ..registry import Decline, register_batch_rule
+from ..registry import Decline, registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("attention")   # the rules below live in this file
 
 
 @register_batch_rule(aten._safe_softmax.default)

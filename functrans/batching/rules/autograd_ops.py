@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from ..helpers import keep_bdim_rule, move_bdim_to_front, pad_to_rank
-from .. import copied_views
-from ..registry import register_batch_rule
+from .. import guards
+from ..registry import registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("autograd_ops")   # the rules below live in this file
 
 
 for _op in (aten.alias.default, aten.zero_.default, aten.fill_.Scalar):
@@ -50,19 +51,19 @@ def detach_rule(info, in_dims, x):
 # BatchedTensor that users and autograd inspect (``is_conj()``, ``resolve_conj()``,
 # ``view_as_real``) says "not conjugated".  So these rules materialise the result instead, and
 # vmap resolves the bits of its inputs when it wraps them: a physical value never carries one.
-# A materialised result no longer aliases its input, so it is recorded in copied_views: an
+# A materialised result no longer aliases its input, so it is recorded (guards.record_copy): an
 # in-place write into either while the copy lives raises instead of silently missing the other.
 @register_batch_rule(aten._conj.default)
 def conj_rule(info, in_dims, x):
     out = torch.conj_physical(x)
-    copied_views.record(out, x, copied_views.LAZY_BIT)
+    guards.record_copy(out, x, guards.LAZY_BIT)
     return out, in_dims[0]
 
 
 @register_batch_rule(aten._neg_view.default)
 def neg_view_rule(info, in_dims, x):
     out = torch.neg(x)
-    copied_views.record(out, x, copied_views.LAZY_BIT)
+    guards.record_copy(out, x, guards.LAZY_BIT)
     return out, in_dims[0]
 
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 
 from ..helpers import ensure_bdim_front, logical_rank, move_bdim_to_front
-from ..registry import Decline, register_batch_rule
+from ..registry import Decline, registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("conv")   # the rules below live in this file
 
 
 def _channels_batched_input(x, bdim, B):

@@ -10,7 +10,7 @@
   tagged ``dynamic_output_shape`` whose shape is static in practice: ``linalg_lstsq``,
   ``_ctc_loss``) have no vectorised rule.  They run per example on the loop fallback, which
   checks that every example's result has the same shape and stacks them; when the shapes
-  differ it raises ``ragged_results_error`` (the op, the shapes, and the fix: pad/mask,
+  differ it raises ``fallback.ragged_results_error`` (the op, the shapes, and the fix: pad/mask,
   ``size=``, or ``torch.nested`` outside vmap).  Being loops, they warn (a
   ``PerformanceWarning`` quoting ``known_fallbacks``' reason) and ``strict_fallback()``
   refuses them, like any loop: strict mode promises no per-example loop ran.
@@ -25,23 +25,17 @@ from __future__ import annotations
 import torch
 
 from ...errors import UnsupportedUnderVmap
-from ..batched_tensor import BatchedTensor
+from ..batched_tensor import NO_PYTHON_VALUE, BatchedTensor
 from ..helpers import move_bdim_to_front
-from ..registry import Decline, register_batch_rule, register_tag_rule
+from ..registry import Decline, register_tag_rule, registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("data_dependent")   # the rules below live in this file
 
 
 @register_batch_rule(aten._local_scalar_dense.default)
 def local_scalar_dense_rule(info, in_dims, x):
-    raise UnsupportedUnderVmap(
-        "vmap: a batched tensor was converted to a Python number (aten._local_scalar_dense, "
-        "reached by .item(), bool(tensor), int()/float(), or Python control flow such as "
-        "`if x > 0:` / `while x.sum() > 1:`). Under vmap the value differs per example, so no "
-        "single Python value exists. Keep the computation in tensors: replace the branch with "
-        "torch.where(cond, a, b) (compute both sides), or move the control flow outside vmap. "
-        "To index with a per-example integer, index with the 0-d tensor itself: x[k], "
-        "not x[int(k)] or x[k.item()].")
+    raise UnsupportedUnderVmap("vmap: " + NO_PYTHON_VALUE)
 
 
 def dynamic_shape_error(op) -> UnsupportedUnderVmap:
@@ -52,43 +46,6 @@ def dynamic_shape_error(op) -> UnsupportedUnderVmap:
         "instead of x[mask] / masked_select, a mask multiplied in instead of nonzero(), "
         "or pad to a known size (e.g. nonzero_static / torch.unique(..., sorted) outside "
         "vmap).")
-
-
-# How to get a fixed shape, per op (the overload packet's name).
-_FIXES = {
-    "nonzero": "torch.nonzero_static(x, size=n, fill_value=-1) pads every example to n rows "
-               "and batches without a loop",
-    "argwhere": "torch.nonzero_static(x, size=n, fill_value=-1) pads every example to n rows",
-    "masked_select": "torch.where(mask, x, 0) (or x * mask) keeps the shape fixed",
-    "index": "torch.where(mask, x, 0) instead of x[mask] keeps the shape fixed (the gradient of "
-             "x[mask] = v with respect to v reads v[mask] too: write with torch.where(mask, v, "
-             "x), v broadcast to x's shape, instead)",
-    "bincount": "pass minlength= larger than every value (all examples then have that length), "
-                "or count with torch.zeros(n).index_add_(0, x, weights)",
-    "repeat_interleave": "make the repeats sum to the same total in every example (pad with a "
-                         "dummy element repeated the difference)",
-    "linalg_lstsq": "the residuals are empty for a rank-deficient example: pass "
-                    "driver='gelsy' (no residuals) or compute them as ((A @ X - B) ** 2).sum(-2)",
-}
-_UNIQUE_FIX = ("unique has no fixed-size form: sort instead (torch.sort, then a mask of first "
-               "occurrences, x[1:] != x[:-1]) and keep the mask")
-
-
-def ragged_results_error(op, shapes, output: int = 0) -> UnsupportedUnderVmap:
-    """The error for per-example results of different shapes (the loop fallback's)."""
-    name = op.overloadpacket.__name__
-    fix = _FIXES.get(name) or (_UNIQUE_FIX if "unique" in name else
-                               "pad the results to one size (and carry a mask)")
-    shown = ", ".join(f"example {i}: {list(s)}" for i, s in enumerate(shapes[:4]))
-    if len(shapes) > 4:
-        shown += ", ..."
-    return UnsupportedUnderVmap(
-        f"vmap: {op} returns a tensor whose shape depends on the values of its input, and the "
-        f"examples of this batch gave different shapes (output {output}: {shown}), so they "
-        "cannot be stacked into one batched tensor. Use a fixed-shape formulation: "
-        f"{fix}; in general torch.where(mask, x, 0) instead of x[mask], or pad to a known "
-        "size and carry a mask. To keep ragged results, call the function per example outside "
-        "vmap and collect them with torch.nested.nested_tensor([...]).")
 
 
 def _data_dependent_rule_for(op):
@@ -106,7 +63,8 @@ def _data_dependent_rule_for(op):
     return rule
 
 
-register_tag_rule(torch.Tag.data_dependent_output, _data_dependent_rule_for)
+register_tag_rule(torch.Tag.data_dependent_output, _data_dependent_rule_for,
+                  family="data_dependent")
 
 
 @register_batch_rule(aten.nonzero_static.default)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from ..helpers import ensure_bdim_front, move_bdim_to_front
-from ..registry import Decline, register_batch_rule
+from ..registry import Decline, registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("embedding")   # the rules below live in this file
 _MAX = 2  # embedding_bag's mode numbers: 0 sum, 1 mean, 2 max
 
 

@@ -26,9 +26,10 @@ from __future__ import annotations
 import torch
 
 from ..helpers import ensure_bdim_front, keep_bdim_rule, move_bdim_to_front, pad_to_rank
-from ..registry import Decline, register_batch_rule
+from ..registry import Decline, registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("factories")   # the rules below live in this file
 
 
 def _dim_order(shape, memory_format):

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from ..helpers import logical_rank, physical_dim
-from ..registry import register_batch_rule
+from ..registry import registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("fft")   # the rules below live in this file
 
 
 def _fft_rule_for(op):

@@ -29,9 +29,10 @@ import torch
 
 from ..batched_tensor import BatchedTensor
 from ..helpers import ensure_bdim_front
-from ..registry import Decline, register_batch_rule
+from ..registry import Decline, registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("histograms")   # the rules below live in this file
 _EXACT_DTYPES = (torch.float32, torch.float64)
 
 

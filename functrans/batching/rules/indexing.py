@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from ..batched_tensor import BatchedTensor
 from ..helpers import (ensure_bdim_front, logical_rank, move_bdim_to_front, normalize_dim,
                        pad_to_rank)
-from ..registry import Decline, register_batch_rule
+from ..registry import Decline, registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("indexing")   # the rules below live in this file
 
 
 @register_batch_rule(aten.gather.default)
@@ -467,7 +469,6 @@ def masked_scatter_rule(info, in_dims, x, mask, source):
     if S.shape[1] < Mf.shape[1]:
         # A shorter source is fine while it covers each example's mask: check that here
         # (concrete values only; otherwise the loop checks and raises eager's error).
-        from ..batched_tensor import BatchedTensor
         if type(Mf) is BatchedTensor or bool((Mf.sum(1) > S.shape[1]).any()):
             raise Decline()
         if S.shape[1] == 0:
@@ -529,124 +530,3 @@ def isin_scalar_rule(info, in_dims, elements, test, *, assume_unique=False, inve
 def isin_scalar_tensor_rule(info, in_dims, element, test, *, assume_unique=False,
                             invert=False):
     return _isin_batched_set(info, element, None, test, in_dims[1], invert)
-
-
-# ---------------------------------------------------------------------------------------------
-# Python indexing (``x[k]``, ``x[k] = v``) with a batched 0-d integer or boolean tensor ``k``.
-#
-# PyTorch's ``Tensor.__getitem__``/``__setitem__`` (C++ applySlicing) treats a 0-d integer
-# tensor index as a Python int: it calls ``.item()`` and selects.  Under vmap each example has
-# its own value, and ``.item()`` on a batched tensor has no answer, so BatchedTensor routes
-# those two calls here (through ``__torch_function__``, enabled only on logically 0-d
-# integer/bool wrappers, see batched_tensor.py).  A select by a per-example integer is an
-# ``aten.index`` by a 0-d index tensor at that dim: its broadcast index shape is (), so the
-# result is the select, wherever PyTorch would place the (empty) index block.  All batched
-# scalars are applied first, in one ``aten.index``; the rest of the index then applies to the
-# remaining dims exactly as it would after eager's selects (ints count as specified dims for an
-# Ellipsis, as the removed dims do).  Writes read, update and write back the selected slab.
-# ---------------------------------------------------------------------------------------------
-
-_SCALAR_INDEX_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64,
-                                  torch.uint16, torch.uint32, torch.uint64})
-_SCALAR_MASK_DTYPES = frozenset({torch.bool, torch.uint8})
-
-
-def _batched_scalar(e) -> bool:
-    from ..batched_tensor import BatchedTensor
-    return type(e) is BatchedTensor and e.dim() == 0 and \
-        (e.dtype in _SCALAR_INDEX_DTYPES or e.dtype in _SCALAR_MASK_DTYPES)
-
-
-def _dims_consumed(e) -> int:
-    """How many dims of the indexed tensor one index entry consumes (None/Ellipsis: 0)."""
-    if e is None or e is Ellipsis or type(e) is bool:
-        return 0
-    if isinstance(e, torch.Tensor):
-        return e.dim() if e.dtype in _SCALAR_MASK_DTYPES else 1
-    if isinstance(e, (list, tuple)):
-        try:
-            t = torch.as_tensor(e)
-        except Exception:
-            return 1
-        return t.dim() if t.dtype == torch.bool else 1
-    return 1
-
-
-def _scalar_mask_error(what):
-    from ...errors import UnsupportedUnderVmap
-    return UnsupportedUnderVmap(
-        f"vmap: {what} with a batched 0-d boolean tensor: PyTorch treats a 0-d bool index as "
-        "'add a dim of size 1 if True, of size 0 if False', so the per-example results would "
-        "have different shapes and cannot be stacked into one batched tensor. Use "
-        "torch.where(mask, x, other) (or x * mask) to choose values by the mask, and "
-        "x[mask] = value (alone, as the whole index) or torch.where(mask, value, x) to write.")
-
-
-def _split_scalar_index(x, index):
-    """(the [None, ..., k, ...] index list of the batched 0-d integer entries, the rest of the
-    index as a tuple), or None when ``index`` has no batched 0-d integer/bool entry."""
-    entries = index if type(index) is tuple else (index,)
-    if not any(_batched_scalar(e) for e in entries):
-        return None
-    n = x.dim()
-    consumed = [_dims_consumed(e) for e in entries]
-    ellipses = sum(e is Ellipsis for e in entries)
-    if ellipses > 1:
-        raise IndexError("an index can only have a single ellipsis ('...')")
-    specified = sum(consumed)
-    if specified > n:
-        raise IndexError(f"too many indices for tensor of dimension {n}")
-    picks, rest, d = [], [], 0
-    for e, c in zip(entries, consumed):
-        if _batched_scalar(e):
-            if e.dtype in _SCALAR_MASK_DTYPES:
-                return e, None  # a 0-d mask: the callers decide
-            picks.append((d, e if e.dtype in (torch.int64, torch.int32) else e.long()))
-        else:
-            rest.append(e)
-        d += (n - specified) if e is Ellipsis else c
-    indices = [None] * (picks[-1][0] + 1)
-    for d, k in picks:
-        indices[d] = k
-    return indices, tuple(rest)
-
-
-def getitem_with_batched_scalars(x, index):
-    """``x[index]`` when ``index`` holds a batched 0-d integer tensor; NotImplemented when it
-    holds none."""
-    split = _split_scalar_index(x, index)
-    if split is None:
-        return NotImplemented
-    indices, rest = split
-    if rest is None:
-        raise _scalar_mask_error("x[mask] (indexing)")
-    out = aten.index.Tensor(x, indices)
-    return out[rest] if rest else out
-
-
-def setitem_with_batched_scalars(x, index, value):
-    """``x[index] = value`` when ``index`` holds a batched 0-d integer tensor (or is one
-    batched 0-d bool mask); NotImplemented when it holds none."""
-    split = _split_scalar_index(x, index)
-    if split is None:
-        return NotImplemented
-    indices, rest = split
-    if not isinstance(value, torch.Tensor):
-        value = torch.as_tensor(value, dtype=x.dtype, device=x.device)
-    elif value.dtype != x.dtype:
-        value = value.to(x.dtype)  # as eager's select-and-copy_ does
-    if rest is None:  # a 0-d bool mask
-        if not (type(index) is not tuple or len(index) == 1):
-            raise _scalar_mask_error("x[..., mask, ...] = value (assignment mixing it with "
-                                     "other indices)")
-        while value.dim() > x.dim() and value.shape[0] == 1:
-            value = value.squeeze(0)  # eager's x[mask] has a leading dim of size 1
-        x.copy_(torch.where(indices, value, x))
-        return None
-    if not rest:
-        aten.index_put_.default(x, indices, value)
-        return None
-    slab = aten.index.Tensor(x, indices)
-    slab[rest] = value
-    aten.index_put_.default(x, indices, slab)
-    return None

@@ -29,9 +29,10 @@ from typing import Optional, Tuple
 import torch
 
 from ..helpers import move_bdim_to_front, pad_to_rank
-from ..registry import register_batch_rule
+from ..registry import registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("linalg")   # the rules below live in this file
 
 # Note [folding the batch]
 # With only ``a`` batched, ``a @ b`` for a batch of ``a``s is one matrix product of the batch

@@ -41,9 +41,10 @@ import torch
 
 from ..helpers import (ensure_bdim_front, logical_rank, move_bdim_to_front, normalize_dim,
                        pad_to_rank)
-from ..registry import Decline, register_batch_rule
+from ..registry import Decline, registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("linalg_solvers")   # the rules below live in this file
 
 # Note [contiguity of A]
 # ``_linalg_solve_ex(A, B)`` computes the LU factors of ``A^T`` (and solves with
@@ -187,8 +188,7 @@ def pinv_rule(info, in_dims, A, *, atol=None, rtol=None, hermitian=False, _kw_di
     return aten.linalg_pinv.atol_rtol_tensor(views[0], hermitian=hermitian, **tols), 0
 
 
-pinv_rule.batched_kwargs = True
-register_batch_rule(aten.linalg_pinv.atol_rtol_tensor, pinv_rule)
+register_batch_rule(aten.linalg_pinv.atol_rtol_tensor, pinv_rule, batched_kwargs=True)
 
 
 @register_batch_rule(aten._linalg_check_errors.default)

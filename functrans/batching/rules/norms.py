@@ -36,9 +36,10 @@ import torch
 from ...errors import UnsupportedUnderVmap
 from ..batched_tensor import BatchedTensor
 from ..helpers import ensure_bdim_front, move_bdim_to_front
-from ..registry import Decline, register_batch_rule
+from ..registry import Decline, registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("norms")   # the rules below live in this file
 
 # Output kinds of the batch-norm family: the normalised tensor, a per-channel tensor, an opaque
 # reserve (cuDNN workspace; empty on CPU).

@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from ..helpers import logical_rank, move_bdim_to_front
-from ..registry import register_batch_rule
+from ..registry import registrar
 from .spatial import fold_into_n_rule
 
 aten = torch.ops.aten
+register_batch_rule = registrar("padding")   # the rules below live in this file
 
 
 @register_batch_rule(aten.constant_pad_nd.default)

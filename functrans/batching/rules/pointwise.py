@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ..helpers import move_bdim_to_front, pad_to_rank
-from ..registry import register_tag_rule
+from ..registry import register_tag_rule, registrar
 
 # Note [0-d promotion]
 # ATen promotes in three categories: dimensioned tensors, 0-d tensors, wrapped Python scalars;
@@ -193,12 +193,12 @@ def pointwise_rule_for(op: torch._ops.OpOverload):
     return rule
 
 
-register_tag_rule(torch.Tag.pointwise, pointwise_rule_for)
+register_tag_rule(torch.Tag.pointwise, pointwise_rule_for, family="pointwise")
 
 # Elementwise ops that PyTorch does not tag pointwise: the same broadcasting rule serves them.
-from ..registry import register_batch_rule  # noqa: E402
 
 aten = torch.ops.aten
+register_batch_rule = registrar("pointwise")   # the rules below live in this file
 
 for _op in (aten.rsub.Tensor, aten.rsub.Scalar, aten.complex.default, aten.polar.default):
     register_batch_rule(_op, pointwise_rule_for(_op))

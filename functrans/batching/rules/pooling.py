@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import register_batch_rule
+from ..registry import registrar
 from .spatial import fold_into_n_rule
 
 aten = torch.ops.aten
+register_batch_rule = registrar("pooling")   # the rules below live in this file
 
 
 for _name, _spatial in (

@@ -24,9 +24,10 @@ import torch
 
 from ...errors import UnsupportedUnderVmap
 from ..helpers import ensure_bdim_front, move_bdim_to_front, pad_to_rank
-from ..registry import register_batch_rule
+from ..registry import registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("random")   # the rules below live in this file
 
 
 def _example(x, bdim):

@@ -39,9 +39,10 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..helpers import ensure_bdim_front, move_bdim_to_front, normalize_dim, physical_dim
-from ..registry import Decline, register_batch_rule
+from ..registry import Decline, registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("reductions")   # the rules below live in this file
 
 # Reductions that eager refuses over an empty dim (no identity: "Expected reduction dim to be
 # specified for input.numel() == 0", "cannot compute aminmax over an empty dimension", ...).

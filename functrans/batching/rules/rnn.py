@@ -34,9 +34,10 @@ from __future__ import annotations
 import torch
 
 from ..helpers import ensure_bdim_front
-from ..registry import Decline, register_batch_rule
+from ..registry import Decline, registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("rnn")   # the rules below live in this file
 _LSTM_MODE = 2
 
 
@@ -292,84 +293,3 @@ def thnn_fused_gru_cell_backward_rule(info, in_dims, grad_hy, workspace, has_bia
 
 
 # --------------------------------------------------------------------------- initial hidden state
-
-# Note [RNN initial state]
-# The CompositeImplicitAutograd RNN entry points (and nn.LSTM off the mkldnn path: float64,
-# proj_size) decompose into C++ that adds the input gates IN PLACE into ``linear_hh(h0)``.  With
-# an unbatched ``h0`` (nn.GRU / nn.RNN / the cells create zeros when none is given) that is a
-# batched write into an unbatched temporary, which vmap must refuse.  So the state must be made
-# batched BEFORE the entry point decomposes, i.e. above the dispatcher.  A TorchFunctionMode
-# would do it but costs every op under vmap about 1.6 us (+19% measured on a chain of sin); the
-# nn modules call these entry points through ``torch._VF``, so functrans wraps those eight
-# attributes of ``torch._VF`` instead (``install_initial_state_hooks``, at import).  A wrapper
-# costs one thread-local lookup per RNN call outside vmap and changes nothing there; inside vmap
-# it batches the state when another argument is batched.  Direct calls of ``torch.gru``,
-# ``torch.lstm_cell``... (not through torch._VF) are not hooked.
-RNN_ENTRY_POINTS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell",
-                              "rnn_tanh_cell", "rnn_relu_cell"})
-
-
-def _top_level(args):
-    from ..batched_tensor import BatchedTensor
-    level = None
-    for a in args:
-        for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(t, BatchedTensor) and (level is None or t.level.id > level.id):
-                level = t.level
-    return level
-
-
-def _batched_like(h, level):
-    """``h`` made batched at ``level`` (``h + zeros``, so autograd still reaches ``h``)."""
-    from ..batched_tensor import BatchedTensor
-    if isinstance(h, BatchedTensor) and h.level is level:
-        return h
-    zeros = torch.zeros((level.batch_size,) + tuple(h.shape), dtype=h.dtype, device=h.device)
-    return h + BatchedTensor(zeros, 0, level)
-
-
-def batch_initial_state(name, args):
-    """``args`` of the RNN entry point ``name`` with its hidden state batched whenever another
-    argument is batched; None when nothing needs to change."""
-    if name not in RNN_ENTRY_POINTS or len(args) < 3:
-        return None
-    level = _top_level(args)
-    if level is None or not level.alive:
-        return None
-    if name.endswith("_cell") or isinstance(args[1], (list, tuple)) or \
-            (name != "lstm" and isinstance(args[2], (list, tuple))):
-        pos = 1          # (input, hx, ...)
-    else:
-        pos = 2          # the packed overloads: (data, batch_sizes, hx, ...)
-    hx = args[pos]
-    if isinstance(hx, (list, tuple)):
-        new = type(hx)(_batched_like(h, level) for h in hx)
-    elif isinstance(hx, torch.Tensor):
-        new = _batched_like(hx, level)
-    else:
-        return None
-    return tuple(args[:pos]) + (new,) + tuple(args[pos + 1:])
-
-
-def install_initial_state_hooks() -> None:
-    """Wrap the RNN entry points of ``torch._VF``: see Note [RNN initial state]."""
-    from torch import _VF
-    from ... import _levels
-    for name in RNN_ENTRY_POINTS:
-        current = getattr(_VF, name)
-        if getattr(current, "_functrans_initial_state_hook", False):
-            continue
-
-        def hooked(*args, _name=name, _original=current, **kwargs):
-            if _levels.stack():
-                new = batch_initial_state(_name, args)
-                if new is not None:
-                    args = new
-            return _original(*args, **kwargs)
-
-        hooked._functrans_initial_state_hook = True
-        hooked.__name__ = name
-        setattr(_VF, name, hooked)
-
-
-install_initial_state_hooks()

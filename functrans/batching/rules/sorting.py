@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from ..helpers import ensure_bdim_front, logical_rank, normalize_dim, physical_dim
-from ..registry import Decline, register_batch_rule
+from ..registry import Decline, registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("sorting")   # the rules below live in this file
 
 
 def _along(x, bdim, dim, fn):
@@ -66,7 +67,7 @@ def _search_rows(info, seq, seq_bdim, values, v_bdim, sorter, **flags):
     return aten.searchsorted.Tensor(S.contiguous(), V.contiguous(), sorter=sorter, **flags), 0
 
 
-@register_batch_rule(aten.searchsorted.Tensor)
+@register_batch_rule(aten.searchsorted.Tensor, batched_kwargs=True)  # sorter= may be batched
 def searchsorted_rule(info, in_dims, seq, values, *, out_int32=False, right=False, side=None,
                       sorter=None, _kw_dims=None):
     flags = dict(out_int32=out_int32, right=right, side=side)
@@ -79,8 +80,6 @@ def searchsorted_rule(info, in_dims, seq, values, *, out_int32=False, right=Fals
         return aten.searchsorted.Tensor(seq, values, sorter=sorter, **flags), in_dims[1]
     return _search_rows(info, seq, in_dims[0], values, in_dims[1], sorter, **flags)
 
-
-searchsorted_rule.batched_kwargs = True  # sorter= may be batched (see dispatch)
 
 
 @register_batch_rule(aten.searchsorted.Scalar)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 
 from ...errors import UnsupportedUnderVmap
-from ..registry import register_batch_rule
+from ..registry import registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("sparse")   # the rules below live in this file
 
 
 @register_batch_rule(aten.sparse_sampled_addmm.default)

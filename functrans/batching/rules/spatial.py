@@ -24,9 +24,10 @@ from typing import Optional
 import torch
 
 from ..helpers import ensure_bdim_front, logical_rank, move_bdim_to_front
-from ..registry import Decline, register_batch_rule
+from ..registry import Decline, registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("spatial")   # the rules below live in this file
 
 
 def _tensor_positions(op):

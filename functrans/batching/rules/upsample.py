@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import register_batch_rule
+from ..registry import registrar
 from .spatial import fold_into_n_rule
 
 aten = torch.ops.aten
+register_batch_rule = registrar("upsample")   # the rules below live in this file
 
 _UPSAMPLES = {  # name -> number of spatial dims
     "upsample_nearest1d": 1, "upsample_nearest2d": 2, "upsample_nearest3d": 3,

@@ -27,7 +27,7 @@ block, and the result is a view.  (2) The batch's memory holds nothing but its e
 the examples do not own equal blocks of it (nested vmap: the innermost physical tensor holds
 every level's batch), and each example's strides as the function sees them are those of a fresh
 tensor: each example is copied into a fresh block and windowed there; the result is a copy,
-recorded in ``copied_views`` so that a write through it raises.  An interleaved batch
+recorded by ``guards.record_copy`` so that a write through it raises.  An interleaved batch
 (``in_dims=-1``) is refused: the function sees strides that interleave the batch, and strides
 computed from them (stft, autograd) would address other elements than strides meant for a
 fresh example (the OpInfo samples); no rule can tell which was meant.  Any other layout (a
@@ -36,7 +36,7 @@ would read the wrong example's memory).  ``as_strided_scatter`` writes into a fr
 eager, so it takes route (2) whenever the example's strides are a fresh tensor's.
 
 ``view`` aliases whenever one example's view exists, and copies otherwise: see Note [view after
-moving the bdim] in ``batching/copied_views.py``, which also guards in-place writes into such copies.
+moving the bdim] in ``batching/guards.py``, which also guards in-place writes into such copies.
 """
 from __future__ import annotations
 
@@ -47,11 +47,12 @@ import torch
 
 from ..helpers import (ensure_bdim_front, logical_rank, move_bdim_to_front, normalize_dim,
                        pad_to_rank, physical_dim)
-from .. import copied_views
+from .. import guards
 from ..batched_tensor import BatchedTensor
-from ..registry import Decline, register_batch_rule
+from ..registry import Decline, registrar
 
 aten = torch.ops.aten
+register_batch_rule = registrar("views")   # the rules below live in this file
 
 
 def _after_removing(bdim: int, removed: Sequence[int]) -> int:
@@ -99,13 +100,13 @@ def view_rule(info, in_dims, x, shape):
         return y.view(new_shape), 0
     except RuntimeError:
         pass
-    # See Note [view after moving the bdim] (copied_views.py).
+    # See Note [view after moving the bdim] (guards.py).
     _check_numel(x, b, shape)
     strides = _example_view_strides(x, b, shape)
     if strides is not None:  # each example's view, laid over the batch: still an alias
         return x.as_strided(new_shape, (x.stride(b), *strides), x.storage_offset()), 0
     out = y.reshape(new_shape)
-    copied_views.record(out, x)
+    guards.record_copy(out, x)
     return out, 0
 
 
@@ -545,7 +546,7 @@ def as_strided_rule(info, in_dims, x, size, stride, storage_offset=None):
     P, n = _fresh_examples(x, b)
     _check_window(size, stride, offset, n)
     out = P.as_strided((P.shape[0], *size), (n, *stride), offset)
-    copied_views.record(out, x)   # a write through it would not reach x: refused
+    guards.record_copy(out, x)   # a write through it would not reach x: refused
     return out, 0
 
 
