@@ -7,7 +7,7 @@ import torch
 
 from functrans.batching import registry
 from functrans.batching.op_listing import decomposes_above_dispatch
-from tests import opinfo_sweep
+from tests.support import opinfo_sweep
 
 
 def _overloads(key):
