@@ -15,7 +15,9 @@ docstring or a comment may name torch.func.  A use is any of:
   ``getattr(torch, "func")`` with a literal name.
 
 ``uses(source)`` returns ``[(line, what)]`` for one source text; ``package_uses(root)`` walks a
-folder.  Imports only ``ast`` and ``pathlib``.
+folder.  ``aliases``/``dotted`` (the dotted name an attribute chain reaches, through the
+source's imports) serve other ast checks too (tests/test_import_graph.py).  Imports only ``ast``
+and ``pathlib``.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def forbidden(dotted: str) -> bool:
     return any(dotted == f or dotted.startswith(f + ".") for f in FORBIDDEN)
 
 
-def _aliases(tree: ast.AST) -> Dict[str, str]:
+def aliases(tree: ast.AST) -> Dict[str, str]:
     """Local name -> the dotted module/object it is bound to by an import anywhere in the
     source (scopes are not told apart: a name bound to torch somewhere counts everywhere)."""
     out: Dict[str, str] = {}
@@ -51,7 +53,7 @@ def _aliases(tree: ast.AST) -> Dict[str, str]:
     return out
 
 
-def _dotted(node: ast.AST, aliases: Dict[str, str]) -> str:
+def dotted(node: ast.AST, names: Dict[str, str]) -> str:
     """``a.b.c`` of a chain of Attribute nodes on a Name, with the Name resolved through the
     imports; "" when the chain does not start at a Name."""
     parts: List[str] = []
@@ -60,7 +62,7 @@ def _dotted(node: ast.AST, aliases: Dict[str, str]) -> str:
         node = node.value
     if not isinstance(node, ast.Name):
         return ""
-    parts.append(aliases.get(node.id, node.id))
+    parts.append(names.get(node.id, node.id))
     return ".".join(reversed(parts))
 
 
@@ -71,7 +73,7 @@ def _literal(node: ast.AST) -> str:
 def uses(source: str, filename: str = "<string>") -> List[Tuple[int, str]]:
     """[(line, description)] of every use of a forbidden module in ``source``."""
     tree = ast.parse(source, filename)
-    aliases = _aliases(tree)
+    names = aliases(tree)
     hits: List[Tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -83,21 +85,21 @@ def uses(source: str, filename: str = "<string>") -> List[Tuple[int, str]]:
                 hits += [(node.lineno, f"from {node.module} import {a.name}")
                          for a in node.names if forbidden(f"{node.module}.{a.name}")]
         elif isinstance(node, ast.Call) and node.args:
-            callee = _dotted(node.func, aliases)
+            callee = dotted(node.func, names)
             first = _literal(node.args[0])
             if callee in ("importlib.import_module", "import_module", "__import__") and \
                     forbidden(first):
                 hits.append((node.lineno, f"{callee}({first!r})"))
             elif callee == "getattr" and len(node.args) >= 2:
-                target = _dotted(node.args[0], aliases)
+                target = dotted(node.args[0], names)
                 name = _literal(node.args[1])
                 if target and name and forbidden(f"{target}.{name}"):
                     hits.append((node.lineno, f"getattr({target}, {name!r})"))
         elif isinstance(node, ast.Attribute):
-            dotted = _dotted(node, aliases)
+            chain = dotted(node, names)
             # report the shortest forbidden chain once (torch.func, not also torch.func.grad)
-            if forbidden(dotted) and not forbidden(_dotted(node.value, aliases)):
-                hits.append((node.lineno, dotted))
+            if forbidden(chain) and not forbidden(dotted(node.value, names)):
+                hits.append((node.lineno, chain))
     return sorted(set(hits))
 
 
