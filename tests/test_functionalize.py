@@ -6,7 +6,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import functrans
 from functrans import functionalize
-from tests.oracles import assert_same, loop_oracle
+from tests.support.oracles import assert_same, loop_oracle
 
 ref = torch.func
 

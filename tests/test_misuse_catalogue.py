@@ -1,6 +1,6 @@
-"""Every entry of the misuse catalogue (``tests/misuse_catalogue.py``) raises what the catalogue
-says, with a message that names the argument and the fix, and ``docs/misuse.md`` is the
-catalogue's current output."""
+"""Every entry of the misuse catalogue (``tests/support/misuse_catalogue.py``) raises what the
+catalogue says, with a message that names the argument and the fix, and ``docs/misuse.md`` is
+the catalogue's current output."""
 import os
 import re
 
@@ -10,7 +10,7 @@ import torch
 from functrans import _levels
 from functrans.errors import FunctransError
 
-from . import misuse_catalogue as cat
+from tests.support import misuse_catalogue as cat
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                    "misuse.md")
@@ -58,4 +58,4 @@ def test_docs_are_current():
                     "own messages in it differ between versions")
     assert doc == cat.markdown(), (
         "docs/misuse.md is out of date; regenerate it with "
-        "`.venv/bin/python -m tests.misuse_catalogue --markdown > docs/misuse.md`")
+        "`.venv/bin/python -m tests.support.misuse_catalogue --markdown > docs/misuse.md`")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import functrans
-from tests.oracles import assert_same, loop_oracle
+from tests.support.oracles import assert_same, loop_oracle
 
 import einops  # noqa: E402  (in the dev extra: a missing one fails, it never skips)
 

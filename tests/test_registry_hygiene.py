@@ -7,7 +7,7 @@ import torch
 
 from functrans.batching import registry
 from functrans.batching.op_schema import decomposes_above_dispatch
-from tests import opinfo_sweep
+from tests.support import opinfo_sweep
 
 
 def test_no_rule_for_an_op_that_decomposes_above_dispatch():

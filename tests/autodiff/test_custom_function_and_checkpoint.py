@@ -5,7 +5,7 @@ import torch.func as tf
 from torch.utils.checkpoint import checkpoint
 
 import functrans as ft
-from tests.oracles import assert_same
+from tests.support.oracles import assert_same
 
 
 

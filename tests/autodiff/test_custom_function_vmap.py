@@ -7,7 +7,7 @@ import torch.func as tf
 
 import functrans as ft
 from functrans.errors import UnsupportedUnderVmap
-from tests.oracles import assert_same, loop_oracle, make_batch
+from tests.support.oracles import assert_same, loop_oracle, make_batch
 
 pytestmark = pytest.mark.usefixtures("float64")
 

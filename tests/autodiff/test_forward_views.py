@@ -19,7 +19,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 import functrans as ft
-from tests.oracles import perturb_like
+from tests.support.oracles import perturb_like
 
 B = 3
 

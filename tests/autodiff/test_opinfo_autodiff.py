@@ -3,8 +3,8 @@
 Default: the fast op subset; the whole of op_db runs under ``-m sweep``."""
 import pytest
 
-from tests.autodiff import opinfo_autodiff as sweep
-from tests.opinfo_sweep import op_id
+from tests.support import opinfo_autodiff as sweep
+from tests.support.opinfo_sweep import op_id
 
 FAST = sweep.select(full=False)
 ALL = sweep.select(full=True)

@@ -12,7 +12,7 @@ import torch.func as TF
 
 import functrans
 from functrans.errors import TransformArgumentError
-from tests.oracles import loop_oracle, perturb_like
+from tests.support.oracles import loop_oracle, perturb_like
 
 
 def _fwd_enabled():

@@ -5,7 +5,7 @@ import torch.func as tf
 import torch.nn.functional as F
 
 import functrans as ft
-from tests.oracles import assert_same
+from tests.support.oracles import assert_same
 
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import functrans as ft
 from functrans.errors import PerformanceWarning, UnsupportedUnderVmap
-from tests.oracles import loop_oracle
+from tests.support.oracles import loop_oracle
 
 
 def _quiet(fn, *args, **kwargs):

@@ -5,7 +5,7 @@ import torch
 
 import functrans as ft
 from functrans.batching import registry
-from tests.oracles import assert_same, check_vmap_all_bdims, loop_oracle
+from tests.support.oracles import assert_same, check_vmap_all_bdims, loop_oracle
 
 aten = torch.ops.aten
 X = torch.randn(3, 4, 5)

@@ -157,7 +157,7 @@ def test_masked_fill_complex_value_into_int_raises():
 def test_masked_fill_batched_value_matches_loop():
     # The vectorised path still serves values eager converts safely (int into float, float
     # into double); a value eager may refuse per example goes through the loop.
-    from tests.oracles import loop_oracle
+    from tests.support.oracles import loop_oracle
     x = torch.randn(3, 4, dtype=torch.float64)
     mask = torch.tensor([True, False, True, False])
     for value in (torch.tensor([1, -2, 3]), torch.tensor([0.5, 1.5, -2.0], dtype=torch.float32),

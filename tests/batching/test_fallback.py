@@ -8,7 +8,7 @@ import functrans
 from functrans import vmap
 from functrans.batching import fallback
 from functrans.errors import PerformanceWarning, UnsupportedUnderVmap
-from tests.oracles import assert_same, loop_oracle, make_batch
+from tests.support.oracles import assert_same, loop_oracle, make_batch
 
 LIB = "functrans_test"
 

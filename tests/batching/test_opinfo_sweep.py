@@ -4,13 +4,13 @@ The default run covers the fast subset (``opinfo_sweep.FAST_OPS``: pointwise, re
 matmul; a few samples and in_dims choices per op).  The whole of ``op_db`` (every in_dims choice,
 vmap of vmap) runs under the ``sweep`` marker: ``pytest -m sweep tests/batching/test_opinfo_sweep.py``.
 An op fails on any wrong value, and on a functrans error where torch.vmap passes the same check
-(unless ``opinfo_sweep.XFAILS`` explains it).  See tests/opinfo_sweep.py for the outcomes.
+(unless ``opinfo_sweep.XFAILS`` explains it).  See tests/support/opinfo_sweep.py for the outcomes.
 """
 from __future__ import annotations
 
 import pytest
 
-from tests import opinfo_sweep as sweep
+from tests.support import opinfo_sweep as sweep
 
 FAST = sweep.select_ops(full=False)
 ALL = sweep.select_ops(full=True)

@@ -1,8 +1,9 @@
 """The for-loop oracle's edge cases: batch size 1, empty examples, 0-d examples, non-contiguous
 and channels_last batches, integer/bool/complex dtypes, and CPU scalars (0-d tensors, Python
 numbers) mixed with batched tensors.  Each case compares ``functrans.vmap`` (under
-``strict_fallback``: no loop fallback) with the loop oracle of ``tests/oracles.py`` and, where
-torch.func can run it, with ``torch.func.vmap``; vmap∘grad and vmap∘vjp where meaningful.
+``strict_fallback``: no loop fallback) with the loop oracle of ``tests/support/oracles.py``
+and, where torch.func can run it, with ``torch.func.vmap``; vmap∘grad and vmap∘vjp where
+meaningful.
 
 A wrong result found here is a bug: the test stays, marked ``xfail(strict=True)`` with the
 reason.
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 import functrans as ft
 from functrans.errors import UnsupportedUnderVmap
-from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims, loop_oracle
+from tests.support.oracles import assert_same, check_vmap, check_vmap_all_bdims, loop_oracle
 
 
 def compare(make, args, in_dims, *, strict=True, torch_func=True, rtol=None, atol=None):

@@ -11,7 +11,7 @@ import torch.func
 
 import functrans as ft
 from functrans.errors import TransformArgumentError, UnsupportedUnderVmap
-from tests.oracles import assert_same, loop_oracle, make_batch
+from tests.support.oracles import assert_same, loop_oracle, make_batch
 
 
 # --- out_dims=(k,) for a function returning one tensor ---------------------------------------

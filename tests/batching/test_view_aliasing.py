@@ -5,7 +5,7 @@ import torch
 
 import functrans as ft
 from functrans.errors import UnsupportedUnderVmap
-from tests.oracles import assert_same, loop_oracle, make_batch
+from tests.support.oracles import assert_same, loop_oracle, make_batch
 
 
 def _write_through_view(x):

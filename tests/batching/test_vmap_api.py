@@ -8,7 +8,7 @@ import torch.utils._pytree as pytree
 
 import functrans
 from functrans import vmap
-from tests.oracles import assert_same
+from tests.support.oracles import assert_same
 
 
 def both(f, *args, **vmap_kwargs):

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import functrans as ft
-from tests.oracles import assert_same
+from tests.support.oracles import assert_same
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 N = 3  # ensemble members

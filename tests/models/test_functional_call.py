@@ -6,7 +6,7 @@ import torch.func as tf
 from torch import nn
 
 import functrans as ft
-from tests.oracles import assert_same
+from tests.support.oracles import assert_same
 
 
 class Tied(nn.Module):

@@ -22,7 +22,7 @@ import functrans as ft
 from functrans import _levels
 from functrans.errors import EscapedBatchedTensorError, UnsupportedUnderVmap
 from functrans.batching.batched_tensor import BatchedTensor
-from tests.oracles import assert_same
+from tests.support.oracles import assert_same
 
 LIB = "functrans_reliability"
 

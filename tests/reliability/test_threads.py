@@ -11,7 +11,7 @@ from torch import nn
 
 import functrans as ft
 from functrans import _levels
-from tests.oracles import assert_same
+from tests.support.oracles import assert_same
 
 N_THREADS = 8
 ROUNDS = 3

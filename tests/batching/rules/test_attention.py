@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import functrans as ft
 from functrans.errors import UnsupportedUnderVmap
-from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims
+from tests.support.oracles import assert_same, check_vmap, check_vmap_all_bdims
 
 aten = torch.ops.aten
 g = torch.Generator().manual_seed(0)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import functrans as ft
-from tests.oracles import assert_same, check_vmap_all_bdims
+from tests.support.oracles import assert_same, check_vmap_all_bdims
 
 g = torch.Generator().manual_seed(0)
 
@@ -32,7 +32,7 @@ def test_matches_loop(name):
 
 
 def test_conv_input_without_its_own_batch_dim():
-    from tests.oracles import check_vmap
+    from tests.support.oracles import check_vmap
     for dims in ((0, None), (-1, 0), (None, 0)):
         check_vmap(lambda x, w: F.conv2d(x, w), [r(3, 6, 6), r(4, 3, 3, 3)], dims)
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import functrans as ft
-from tests.oracles import bdim_choices, check_vmap, check_vmap_all_bdims
+from tests.support.oracles import bdim_choices, check_vmap, check_vmap_all_bdims
 
 g = torch.Generator().manual_seed(0)
 W = torch.randn(10, 4, generator=g)

@@ -11,7 +11,7 @@ import torch
 
 import functrans
 from functrans import vmap
-from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims, make_batch
+from tests.support.oracles import assert_same, check_vmap, check_vmap_all_bdims, make_batch
 
 aten = torch.ops.aten
 T = torch.randn(3, 4)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import functrans as ft
-from tests.oracles import assert_same, check_vmap_all_bdims
+from tests.support.oracles import assert_same, check_vmap_all_bdims
 
 g = torch.Generator().manual_seed(0)
 X = torch.randn(3, 4, generator=g)

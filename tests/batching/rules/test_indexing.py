@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import functrans as ft
-from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims
+from tests.support.oracles import assert_same, check_vmap, check_vmap_all_bdims
 
 g = torch.Generator().manual_seed(0)
 X = torch.randn(3, 4, generator=g)
@@ -32,7 +32,7 @@ def test_matches_loop(f, args):
 
 
 def test_inplace_scatter_into_batched_self():
-    from tests.oracles import check_vmap
+    from tests.support.oracles import check_vmap
     f = lambda x, i, s: x.clone().scatter_(1, i, s)
     for dims in [(0, 0, 0), (0, None, 0), (-1, 0, None), (0, None, None)]:
         check_vmap(f, [X, IDX, torch.randn(3, 2, generator=g)], dims)
@@ -105,14 +105,14 @@ def test_advanced_indexing(f, args):
 def test_inplace_index_put_into_batched_self(f, args):
     """``x[key] = v`` / ``index_put_``: every in_dims choice with a batched ``x`` (writing a
     batched value into an unbatched tensor is refused, as in torch.vmap)."""
-    from tests.oracles import bdim_choices, check_vmap
+    from tests.support.oracles import bdim_choices, check_vmap
     for dims in bdim_choices(len(args)):
         if dims[0] is not None:
             check_vmap(f, args, dims)
 
 
 def test_index_and_index_put_with_unbatched_masks():
-    from tests.oracles import check_vmap
+    from tests.support.oracles import check_vmap
     mask = torch.tensor([True, False, True, True])
     check_vmap(lambda x, m: x[m], [X3, mask], (0, None))
     check_vmap(lambda x, m: x[:, :, m.repeat(2)[:6]], [X3, mask], (-1, None))

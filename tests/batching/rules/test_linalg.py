@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import functrans as ft
 from functrans.batching.rules import linalg
-from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims, loop_oracle, make_batch
+from tests.support.oracles import (assert_same, check_vmap, check_vmap_all_bdims, loop_oracle,
+                                    make_batch)
 
 g = torch.Generator().manual_seed(0)
 NAN = float("nan")
@@ -314,7 +315,7 @@ def test_ensemble_of_mlps_vs_torch_func():
 def test_bilinear_trilinear_forward_and_per_sample_grads():
     import torch.nn.functional as F
     import functrans as ft
-    from tests.oracles import assert_same, check_vmap_all_bdims
+    from tests.support.oracles import assert_same, check_vmap_all_bdims
     x1, x2, w, b = torch.randn(4, 3), torch.randn(4, 5), torch.randn(6, 3, 5), torch.randn(6)
     check_vmap_all_bdims(lambda a, c, ww, bb: F.bilinear(a, c, ww, bb), [x1, x2, w, b])
     check_vmap_all_bdims(lambda a, c, ww: F.bilinear(a, c, ww), [x1[0], x2[0], w])

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import functrans as ft
 from functrans.errors import UnsupportedUnderVmap
-from tests.oracles import check_vmap
+from tests.support.oracles import check_vmap
 
 REDUCTIONS = ["none", "sum", "mean"]
 

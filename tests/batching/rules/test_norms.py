@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import functrans as ft
-from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims, make_batch
+from tests.support.oracles import assert_same, check_vmap, check_vmap_all_bdims, make_batch
 
 aten = torch.ops.aten
 g = torch.Generator().manual_seed(0)

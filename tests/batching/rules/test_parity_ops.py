@@ -13,7 +13,8 @@ import torch
 
 import functrans as ft
 from functrans.errors import UnsupportedUnderVmap
-from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims, loop_oracle, make_batch
+from tests.support.oracles import (assert_same, check_vmap, check_vmap_all_bdims, loop_oracle,
+                                    make_batch)
 
 g = torch.Generator().manual_seed(0)
 X = torch.randn(5, 4, generator=g)

@@ -4,7 +4,7 @@ promotes differently, 0-d examples beside a 0-d tensor of another dtype."""
 import pytest
 import torch
 
-from tests.oracles import check_vmap_all_bdims
+from tests.support.oracles import check_vmap_all_bdims
 
 CASES = {
     "float_times_python_float": (lambda x: x * 0.5, [torch.randn(4, 3)]),

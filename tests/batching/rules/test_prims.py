@@ -5,7 +5,7 @@ import torch
 
 import functrans as ft
 from functrans.batching.rules.pointwise import ELEMENTWISE_PRIMS
-from tests.oracles import assert_same, check_vmap_all_bdims
+from tests.support.oracles import assert_same, check_vmap_all_bdims
 
 prims = torch.ops.prims
 g = torch.Generator().manual_seed(0)

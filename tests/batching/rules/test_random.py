@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import functrans
 from functrans import _levels, vmap
 from functrans.errors import UnsupportedUnderVmap
-from tests.oracles import loop_oracle
+from tests.support.oracles import loop_oracle
 
 B = 64
 X = torch.rand(B, 5) * 0.8 + 0.1  # batched probabilities / positive values, all different

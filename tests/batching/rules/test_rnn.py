@@ -12,7 +12,7 @@ import torch
 from torch.func import functional_call, stack_module_state
 
 import functrans as ft
-from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims
+from tests.support.oracles import assert_same, check_vmap, check_vmap_all_bdims
 
 aten = torch.ops.aten
 TOL = dict(rtol=1e-4, atol=1e-5)

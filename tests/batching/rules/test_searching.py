@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import functrans as ft
-from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims, loop_oracle, make_batch
+from tests.support.oracles import (assert_same, check_vmap, check_vmap_all_bdims, loop_oracle,
+                                    make_batch)
 
 g = torch.Generator().manual_seed(0)
 EDGES = torch.linspace(-1.5, 1.5, 7)

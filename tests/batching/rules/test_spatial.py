@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import functrans as ft
-from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims
+from tests.support.oracles import assert_same, check_vmap, check_vmap_all_bdims
 
 g = torch.Generator().manual_seed(0)
 X4 = torch.randn(2, 3, 5, 6, generator=g)

@@ -13,7 +13,8 @@ import torch
 import functrans
 from functrans.batching.op_schema import decomposes_above_dispatch
 from functrans.batching.registry import find_rule
-from tests.oracles import assert_same, check_vmap, check_vmap_all_bdims, loop_oracle, make_batch
+from tests.support.oracles import (assert_same, check_vmap, check_vmap_all_bdims, loop_oracle,
+                                    make_batch)
 
 aten = torch.ops.aten
 

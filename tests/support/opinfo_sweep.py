@@ -4,8 +4,8 @@ For every op of ``op_db`` (CPU, float32) and a few of its samples, every tensor 
 (input, positional and keyword arguments, tensors inside lists) becomes one mapped argument with
 an in_dim from {0, -1, None} (never all None), and the op also runs under vmap of vmap.  Each
 batch holds DIFFERENT examples: OpInfo re-seeds before every sample, so every example is drawn
-separately from the sample (``tests.oracles.perturb_like``), with a per-op fix for arguments that
-need a domain (sorted boundaries, positive-definite matrices).
+separately from the sample (``tests.support.oracles.perturb_like``), with a per-op fix for
+arguments that need a domain (sorted boundaries, positive-definite matrices).
 
 One check = (op, sample, in_dims, nested or not).  functrans runs STRICT first
 (``functrans.config.strict_fallback()``), so a pass proves that rules ran:
@@ -23,7 +23,7 @@ performance warning, / ``error`` / ``wrong``), so the report shows both side by 
 
 ``XFAILS`` lists understood errors (never a wrong value without the lead's OK).
 
-Run ``python -m tests.opinfo_sweep [--full] [--ops a,b] [--report FILE]`` for a report.
+Run ``python -m tests.support.opinfo_sweep [--full] [--ops a,b] [--report FILE]`` for a report.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import functrans
 from functrans.errors import UnsupportedUnderVmap
 from functrans.batching import decompositions
-from tests.oracles import bdim_choices, loop_oracle, perturb_like
+from tests.support.oracles import bdim_choices, loop_oracle, perturb_like
 
 SIZE = 3          # batch size of the inner (or only) vmap
 OUTER_SIZE = 2    # batch size of the outer vmap in vmap(vmap(...))

@@ -1,21 +1,21 @@
 """functrans beside torch.func on the whole OpInfo ``op_db``: one table, four checks.
 
-Rows: vmap, vmap∘vmap (``tests.opinfo_sweep``: against a for-loop of the op), vmap∘vjp and
-vmap∘jvp (``tests.autodiff.opinfo_autodiff``: against a for-loop of plain autograd / forward
-AD).  Cells count ops by their worst check: ``rule`` (batching rules or decompositions only;
+Rows: vmap, vmap∘vmap (``tests.support.opinfo_sweep``: against a for-loop of the op),
+vmap∘vjp and vmap∘jvp (``tests.support.opinfo_autodiff``: against a for-loop of plain autograd /
+forward AD).  Cells count ops by their worst check: ``rule`` (batching rules or decompositions only;
 functrans ran strict, torch.func gave no fallback warning), ``fallback`` (some op ran on the
 per-example loop), ``error``, ``wrong``.  torch.func runs here as a test-side reference only.
 
-Run ``python -m tests.side_by_side [--ops a,b] [--report FILE]`` (the full run takes ~3 min on
-2 cores).
+Run ``python -m tests.support.side_by_side [--ops a,b] [--report FILE]`` (the full run takes
+~3 min on 2 cores).
 """
 from __future__ import annotations
 
 import argparse
 import time
 
-from tests import opinfo_sweep
-from tests.autodiff import opinfo_autodiff
+from tests.support import opinfo_sweep
+from tests.support import opinfo_autodiff
 
 
 def run(names=None):

@@ -3,9 +3,9 @@ says about it, and what torch.func does.
 
 ONE source for two things: ``tests/test_misuse_catalogue.py`` runs every entry (exception type,
 a regex on the message, and the keywords that show the message names the argument and the
-fix), and ``python -m tests.misuse_catalogue --markdown`` prints ``docs/misuse.md`` from the
+fix), and ``python -m tests.support.misuse_catalogue --markdown`` prints ``docs/misuse.md`` from the
 messages functrans gives now (a test checks the file is up to date; regenerate it with
-``.venv/bin/python -m tests.misuse_catalogue --markdown > docs/misuse.md``).
+``.venv/bin/python -m tests.support.misuse_catalogue --markdown > docs/misuse.md``).
 
 Each snippet is executed with ``exec`` in a fresh namespace holding ``torch``, ``nn``, ``F``
 (``torch.nn.functional``), ``ft`` (``functrans``), ``x = torch.randn(4, 3)`` (a batch of 4
@@ -591,9 +591,9 @@ def markdown() -> str:
         "# Misuse catalogue",
         "",
         "Every common mistake with function transforms, the exact error functrans gives, and",
-        "what torch.func does. Generated from `tests/misuse_catalogue.py` (the same entries run",
-        "as tests in `tests/test_misuse_catalogue.py`); regenerate with",
-        "`.venv/bin/python -m tests.misuse_catalogue --markdown > docs/misuse.md`.",
+        "what torch.func does. Generated from `tests/support/misuse_catalogue.py` (the same",
+        "entries run as tests in `tests/test_misuse_catalogue.py`); regenerate with",
+        "`.venv/bin/python -m tests.support.misuse_catalogue --markdown > docs/misuse.md`.",
         f"Messages recorded with torch {torch.__version__.split('+')[0]}. In the snippets `x` is",
         "a batch `torch.randn(4, 3)`, `w` one example `torch.randn(3)`, `ft` is `functrans`.",
         "",

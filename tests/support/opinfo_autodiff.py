@@ -10,7 +10,7 @@ of DIFFERENT cotangents / primals+tangents.  Each check's outcome, per implement
 * ``pass``, ``error`` (the message is kept), ``wrong`` (a value differs: the test FAILS on it
   for functrans), or ``oracle_invalid`` (the reference itself fails, e.g. no forward-AD formula).
 
-Run ``python -m tests.autodiff.opinfo_autodiff [--full] [--ops a,b]`` for the report.
+Run ``python -m tests.support.opinfo_autodiff [--full] [--ops a,b]`` for the report.
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ import torch.func as tf
 import torch.utils._pytree as pytree
 
 import functrans as ft
-from tests.opinfo_sweep import (FAST_OPS, _is_deterministic_or_fails, all_ops, compare,
+from tests.support.opinfo_sweep import (FAST_OPS, _is_deterministic_or_fails, all_ops, compare,
                                 flatten_sample, op_id, skip_reason)
-from tests.oracles import perturb_like
+from tests.support.oracles import perturb_like
 
 # vmap_vjp batches the cotangents, vmap_jvp primals and tangents together; the two mixed checks
 # batch only what jacrev / jacfwd batch or only the primals (a batched primal beside an
@@ -73,7 +73,8 @@ def _batch(x, k):
 
 def _checks_for(g, diff, randomness: str = "error") -> Dict[str, tuple]:
     """check -> (run(impl), reference()); ``randomness`` for samples that draw random numbers
-    without their values depending on the seed (see tests.opinfo_sweep._is_deterministic)."""
+    without their values depending on the seed (see
+    tests.support.opinfo_sweep._is_deterministic)."""
     outs0 = g(*diff)
     cts = tuple(perturb_like(o, 7) for o in outs0)
     tangents = tuple(perturb_like(d, 11) for d in diff)
