@@ -48,7 +48,8 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], entry=None,
              _guarded: bool = False):
     # 1. the level
     level = top_level(args, kwargs)
-    guards.check_alive(op, level)
+    if not level.alive:
+        guards.check_alive(op, level)
     if _functionalize._active_anywhere and not _guarded:
         # functionalize(vmap(f)): the physical values are functional wrappers, and PyTorch
         # excludes the Functionalize key inside __torch_dispatch__ (see functrans.functionalize).
@@ -74,7 +75,8 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], entry=None,
     if entry.inplace_view:
         return run_inplace_view(op, args, kwargs, level)
     rule_checks = entry.checks_inplace and not kw_batched
-    check_guards(op, entry, args, vals, in_dims, kwargs, level, rule_checks)
+    if entry.checked or not _grad_enabled():
+        check_guards(op, entry, args, vals, in_dims, kwargs, level, rule_checks)
 
     # 5. rule -> decline -> decomposition -> fallback
     rule = entry.rule
@@ -107,7 +109,7 @@ def unwrap(args, kwargs, level):
     ``level`` and their bdims; whether a positional / keyword argument is batched at this
     level; whether autograd must record the physical ops (a physical value requires grad
     while grad mode is on: Note [autograd on physical values])."""
-    grad_on = torch.is_grad_enabled()
+    grad_on = _grad_enabled()
     track = False
     batched = False
     vals: List[Any] = []
@@ -183,7 +185,7 @@ def check_guards(op, entry, args, vals, in_dims, kwargs, level, rule_checks) -> 
             guards.check_writes(op, entry, vals, in_dims, kwargs, level, rule_checks)
         if entry.random:
             guards.check_random(op, args, kwargs, level)
-    if not torch.is_grad_enabled() and not _fw_grad_enabled() and not _inference_mode():
+    if not _grad_enabled() and not _fw_grad_enabled() and not _inference_mode():
         # Both grad modes off, outside inference mode: a custom autograd.Function's forward.
         guards.check_custom_function(args, level)
 
@@ -272,6 +274,7 @@ def run_inplace_view(op, args, kwargs, level):
     return self_
 
 
+_grad_enabled = torch.is_grad_enabled
 _fw_grad_enabled = torch._C._is_fwd_grad_enabled
 _set_fw_grad_enabled = torch._C._set_fwd_grad_enabled
 _inference_mode = torch.is_inference_mode_enabled

@@ -144,6 +144,19 @@ def register_batch_rule(ops, rule: Optional[Rule] = None, *, family: str = CUSTO
     return register if rule is None else register(rule)
 
 
+def unregister_batch_rule(ops) -> None:
+    """Remove the rules registered for ``ops`` (same forms as ``register_batch_rule``)."""
+    if isinstance(ops, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        ops = [ops]
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            for name in op.overloads():
+                _registrations.pop(getattr(op, name), None)
+        else:
+            _registrations.pop(op, None)
+    _entries.clear()
+
+
 def register_tag_rule(tag: torch.Tag, factory, *, family: str = CUSTOM) -> None:
     """Register ``factory(op) -> rule or None`` for every op carrying ``tag``."""
     _tag_factories[tag] = (factory, family)

@@ -1,5 +1,5 @@
 """Views stay aliases under vmap wherever eager's are, and a view that had to be a copy can
-never give a silent wrong answer (see Note [view after moving the bdim] in copied_views.py)."""
+never give a silent wrong answer (see Note [view after moving the bdim] in batching/guards.py)."""
 import pytest
 import torch
 
