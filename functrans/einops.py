@@ -38,10 +38,12 @@ def rearrange(tensor: torch.Tensor, pattern: str, **axes_lengths: Any) -> torch.
     except ImportError as e:
         raise MissingDependencyError(
             f"{_API}: functrans.rearrange needs the optional 'einops' package, which is not "
-            "installed. Install it with `pip install functrans[einops]` (or `pip install einops`).") from e
+            "installed. Install it with `pip install functrans[einops]` (or "
+            "`pip install einops`).") from e
     if not isinstance(tensor, torch.Tensor):
         raise TransformTypeError(
-            f"{_API}: expected tensor to be a torch.Tensor, got {type(tensor).__name__}. For a list of tensors, torch.stack them first.")
+            f"{_API}: expected tensor to be a torch.Tensor, got {type(tensor).__name__}. For a "
+            "list of tensors, torch.stack them first.")
     if not isinstance(pattern, str):
         raise TransformTypeError(
             f"{_API}: expected pattern to be a str such as 'b c h w -> b (h w) c', got "
