@@ -114,6 +114,7 @@ def per_sample_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], bat
 def _per_sample_grads(model, loss_fn, batch, randomness, api) -> Grads:
     check_randomness(randomness, api)
     batch = _as_tuple(batch, api)
+    _batch_size(batch, api)
     model = _unwrap(model)
     params, rest = _trainable(model)
 
