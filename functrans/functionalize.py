@@ -142,9 +142,9 @@ def _no_forward_mode_under_vmap(t) -> None:
         raise ForwardModeAroundVmap()
     raise FunctransError(
         f"{transform_call('functionalize', 'func')}: forward-mode AD (torch.autograd.forward_ad) "
-        f"over functionalize under vmap is not supported (got a tangent of type {type(t).__name__}). Use "
-        "functrans.jvp / jacfwd / hessian, which take a reverse-mode route there, or "
-        "put functionalize outside: functionalize(jacfwd(f)).")
+        "over functionalize under vmap is not supported (got a tangent of type "
+        f"{type(t).__name__}). Use functrans.jvp / jacfwd / hessian, which take a reverse-mode "
+        "route there, or put functionalize outside: functionalize(jacfwd(f)).")
 
 
 class _FromFunctional(torch.autograd.Function):
