@@ -8,6 +8,13 @@ pops it in ``finally``; a popped level is marked dead so a ``BatchedTensor`` tha
 The dispatcher does not need the stack to batch an op: every ``BatchedTensor`` carries its
 level.  The stack tells transforms what surrounds them (does an outer transform need a graph?
 is a vmap active for a tensor-less random op?) and lets tests check that nothing leaked.
+
+What this module owns: what vmap, functionalize and autodiff all use: the stack, ``Level``,
+``VmapLevel``, ``pushed`` and ``forward_ad_state``.  Autodiff's own bookkeeping (its levels'
+differentiation order, the ownership of the process-wide forward-AD level) lives in
+``functrans/autodiff/levels.py``, which records the owner here (``set_forward_ad_owner``).
+
+May import: torch only (never functrans.autodiff or functrans.batching).
 """
 from __future__ import annotations
 
@@ -23,16 +30,14 @@ _tls = threading.local()
 
 
 class Level:
-    __slots__ = ("id", "kind", "alive", "order")
-    # kinds: "vmap" (VmapLevel), "grad" (grad/vjp/jacrev), "jvp" (forward mode).
-    # order: how many times the function's graph is differentiated at this level: 2 for the
-    # double-vjp route of a jvp (J^T u, then its derivative), else 1 (see autodiff/exact_norms).
+    __slots__ = ("id", "kind", "alive")
+    # kinds: "vmap" (VmapLevel), "grad" (grad/vjp/jacrev), "jvp" (forward mode): the last two
+    # are autodiff.levels.AutodiffLevel; "functionalize" only takes an id (never pushed).
 
-    def __init__(self, kind: str, order: int = 1):
+    def __init__(self, kind: str):
         self.id = next(_ids)
         self.kind = kind
         self.alive = True
-        self.order = order
 
     def __repr__(self) -> str:
         state = "" if self.alive else ", dead"
@@ -78,11 +83,18 @@ def pushed(level: Level) -> Iterator[Level]:
 
 
 # Forward-mode AD levels are process-global in PyTorch (one dual level at a time, for every
-# thread), unlike the transform stack above.  functrans.jvp holds this lock while its dual level
-# is open and records its thread, so that other threads know the open level is not theirs: their
-# vmaps run normally and their jvps take the double-vjp route instead of opening a second level.
-_forward_ad_lock = threading.Lock()
+# thread), unlike the transform stack above.  functrans.jvp claims the right to open one
+# (autodiff/levels.py: claim_forward_ad) and records its thread here, so that other threads know
+# the open level is not theirs: their vmaps run normally and their jvps take the double-vjp route
+# instead of opening a second level.
 _forward_ad_owner: "int | None" = None
+
+
+def set_forward_ad_owner(thread_ident: "int | None") -> None:
+    """Record which thread's functrans.jvp holds the dual level (None: none does).  Called
+    only by ``functrans.autodiff.levels``, which owns the lock around it."""
+    global _forward_ad_owner
+    _forward_ad_owner = thread_ident
 
 
 def forward_ad_state() -> str:
@@ -94,18 +106,3 @@ def forward_ad_state() -> str:
     if owner is None:
         return "user"
     return "mine" if owner == threading.get_ident() else "other"
-
-
-def claim_forward_ad() -> bool:
-    """Take the right to open a dual level (False: another thread holds it)."""
-    global _forward_ad_owner
-    if not _forward_ad_lock.acquire(blocking=False):
-        return False
-    _forward_ad_owner = threading.get_ident()
-    return True
-
-
-def release_forward_ad() -> None:
-    global _forward_ad_owner
-    _forward_ad_owner = None
-    _forward_ad_lock.release()

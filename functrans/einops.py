@@ -3,7 +3,7 @@ functrans's transformed tensors (per-example patterns under ``vmap``, differenti
 ``grad``/``jacrev``...).
 
 What this module owns: the public ``rearrange`` entry point and the clear ImportError when the
-optional ``einops`` package is missing.
+optional ``einops`` package is missing (``MissingDependencyError``, an ``ImportError``).
 
 Why einops and not a re-implementation: ``einops.rearrange`` only reads the tensor's (logical)
 shape and calls ``reshape``/``permute``/``expand``-free view ops on it; a ``BatchedTensor``
@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
+from .errors import MissingDependencyError, TransformTypeError, transform_call
+
 __all__ = ["rearrange"]
+
+
+_API = transform_call("rearrange", "tensor", "pattern", "**axes_lengths")
 
 
 def rearrange(tensor: torch.Tensor, pattern: str, **axes_lengths: Any) -> torch.Tensor:
@@ -31,15 +36,16 @@ def rearrange(tensor: torch.Tensor, pattern: str, **axes_lengths: Any) -> torch.
     try:
         import einops
     except ImportError as e:
-        raise ImportError(
-            "functrans.rearrange needs the optional 'einops' package, which is not installed. "
-            "Install it with `pip install functrans[einops]` (or `pip install einops`).") from e
+        raise MissingDependencyError(
+            f"{_API}: functrans.rearrange needs the optional 'einops' package, which is not "
+            "installed. Install it with `pip install functrans[einops]` (or "
+            "`pip install einops`).") from e
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(
-            f"functrans.rearrange(tensor, pattern): expected tensor to be a torch.Tensor, got "
-            f"{type(tensor).__name__}. For a list of tensors, torch.stack them first.")
+        raise TransformTypeError(
+            f"{_API}: expected tensor to be a torch.Tensor, got {type(tensor).__name__}. For a "
+            "list of tensors, torch.stack them first.")
     if not isinstance(pattern, str):
-        raise TypeError(
-            f"functrans.rearrange(tensor, pattern): expected pattern to be a str such as "
-            f"'b c h w -> b (h w) c', got {type(pattern).__name__}.")
+        raise TransformTypeError(
+            f"{_API}: expected pattern to be a str such as 'b c h w -> b (h w) c', got "
+            f"{type(pattern).__name__}.")
     return einops.rearrange(tensor, pattern, **axes_lengths)

@@ -64,7 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _levels
 from ._pytree import leaf_paths, tree_flatten, tree_unflatten
 from .batching.batched_tensor import BatchedTensor
-from .errors import FunctransError, TransformArgumentError
+from .errors import ForwardModeAroundVmap, FunctransError, TransformArgumentError, transform_call
 
 __all__ = ["functionalize"]
 
@@ -139,14 +139,13 @@ def _no_forward_mode_under_vmap(t) -> None:
     exact double-vjp route (J t = d/du <J^T u, t>, reverse mode, which composes with
     functionalize); forward AD opened by the user (``torch.autograd.forward_ad``) gets a clear
     error instead."""
-    from .batching.api import ForwardModeAroundVmap  # functrans.batching imports this module
     if _levels.forward_ad_state() == "mine":
         raise ForwardModeAroundVmap()
     raise FunctransError(
-        "functionalize: forward-mode AD (torch.autograd.forward_ad) over functionalize under "
-        f"vmap is not supported (got a tangent of type {type(t).__name__}). Use "
-        "functrans.jvp / jacfwd / hessian, which take a reverse-mode route there, or "
-        "put functionalize outside: functionalize(jacfwd(f)).")
+        f"{transform_call('functionalize', 'func')}: forward-mode AD (torch.autograd.forward_ad) "
+        "over functionalize under vmap is not supported (got a tangent of type "
+        f"{type(t).__name__}). Use functrans.jvp / jacfwd / hessian, which take a reverse-mode "
+        "route there, or put functionalize outside: functionalize(jacfwd(f)).")
 
 
 class _FromFunctional(torch.autograd.Function):
@@ -402,13 +401,13 @@ def logical_ops(level) -> contextlib.AbstractContextManager:
     return _boundary(level)
 
 
-def _write_back(original: torch.Tensor, wrapped: torch.Tensor, pos) -> None:
+def _write_back(original: torch.Tensor, wrapped: torch.Tensor, pos, api: str) -> None:
     """Apply a mutation of an input made inside func to the caller's tensor (as PyTorch's
     transform does): ``original.copy_(new value)``, recorded by autograd like the eager op."""
     torch._sync(wrapped)
     if torch._functionalize_has_metadata_mutation(wrapped):
         raise FunctransError(
-            f"functionalize: the function changed the shape or strides of its input {pos()} in "
+            f"{api}: the function changed the shape or strides of its input {pos()} in "
             "place (e.g. x.transpose_(0, 1) or x.resize_(...)); functrans cannot write such a "
             "change back to the caller's tensor. Use the out-of-place op (x = x.transpose(0, 1)) "
             "and return the result instead.")
@@ -416,14 +415,14 @@ def _write_back(original: torch.Tensor, wrapped: torch.Tensor, pos) -> None:
         return
     if _fwAD._current_level >= 0 and _fwAD.unpack_dual(original).tangent is not None:
         raise FunctransError(
-            f"functionalize: the function wrote in place into its input {pos()}, which carries a "
+            f"{api}: the function wrote in place into its input {pos()}, which carries a "
             "forward-mode tangent (jvp over functionalize); writing that mutation back is not "
             "supported. Clone the input inside the function (x = x.clone()) before writing.")
     base = original if original._base is None else original._base
     if original.requires_grad and base.is_leaf and base.requires_grad and \
             torch.is_grad_enabled():
         raise FunctransError(
-            f"functionalize: the function wrote in place into its input {pos()}, which is "
+            f"{api}: the function wrote in place into its input {pos()}, which is "
             "being differentiated (grad, vjp, jacrev, hessian, or jvp's reverse-mode route "
             "under vmap / jacfwd); PyTorch cannot write that mutation back into a leaf that "
             "requires grad. Clone the input inside the function (x = x.clone()) before "
@@ -446,18 +445,19 @@ def functionalize(func: Callable, *, remove: str = "mutations") -> Callable:
     mutated input), so callers see the same effect as running ``func`` itself.  The returned
     function composes with every functrans transform, in both orders, and with ``make_fx``.
     """
+    api = transform_call("functionalize", func, remove=remove)
     if remove == "mutations":
         reapply_views = True
     elif remove == "mutations_and_views":
         reapply_views = False
     else:
         raise TransformArgumentError(
-            f"functionalize(func, remove=...): got remove={remove!r}; expected 'mutations' (every "
-            "in-place op is replaced by its out-of-place counterpart) or 'mutations_and_views' "
-            "(in addition every view op is replaced by its *_copy counterpart).")
+            f"{api}: remove must be 'mutations' (every in-place op is replaced by its "
+            "out-of-place counterpart) or 'mutations_and_views' (in addition every view op is "
+            "replaced by its *_copy counterpart).")
     if not callable(func):
         raise TransformArgumentError(
-            f"functionalize(func): expected func to be a callable, got {type(func).__name__}.")
+            f"{api}: expected func to be a callable, got {type(func).__name__}.")
 
     @functools.wraps(func)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -478,7 +478,7 @@ def functionalize(func: Callable, *, remove: str = "mutations") -> Callable:
         for i, (a, w) in enumerate(zip(flat, new_flat)):
             if w is not a:
                 _write_back(a, w, lambda: (leaf_paths(args, "args")
-                                           + leaf_paths(kwargs, "kwargs"))[i])
+                                           + leaf_paths(kwargs, "kwargs"))[i], api)
         return tree_unflatten(out_flat, out_spec)
 
     return wrapped

@@ -212,10 +212,12 @@ def connected_outside(pre: bool, grad_on: bool, roots: Sequence[Any],
 
 def split_aux(out: Any, api: str):
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        got = type(out).__name__
+        if isinstance(out, (tuple, list)):
+            got += f" of length {len(out)}"
         raise TransformArgumentError(
             f"{api}: with has_aux=True the function must return a pair (output, aux); got "
-            f"{type(out).__name__}{'' if not isinstance(out, (tuple, list)) else f' of length {len(out)}'}. "
-            "Return `output, aux`, or set has_aux=False.")
+            f"{got}. Return `output, aux`, or set has_aux=False.")
     return out[0], out[1]
 
 

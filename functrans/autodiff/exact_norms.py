@@ -11,7 +11,7 @@ under a reverse transform takes the double-vjp route, which differentiates the g
 third-order reverse mode (off by 2.1 for a 4-vector's layer_norm).  The fuzzer found them.
 
 So while the graph is differentiated twice or more (``graph_order() >= 2``: each autodiff level
-counts its ``Level.order``), functrans runs these functions as compositions of primitive ops
+counts its ``AutodiffLevel.order``), functrans runs these functions as compositions of primitive ops
 (mean, subtraction, rsqrt, multiplication), whose derivatives are exact at every order.  A
 ``TorchFunctionMode`` makes the swap; it costs about 1.4 µs per torch call, so it is active only
 in nested autodiff transforms.  First-order transforms (grad, vjp, jacrev, vmap(grad) for
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .. import _levels
+from .levels import AutodiffLevel
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _tls = threading.local()
@@ -37,7 +38,7 @@ _tls = threading.local()
 def graph_order() -> int:
     """How many times the current function's graph will be differentiated by the active
     functrans autodiff transforms."""
-    return sum(level.order for level in _levels.stack() if level.kind != "vmap")
+    return sum(level.order for level in _levels.stack() if isinstance(level, AutodiffLevel))
 
 
 def _normalize(x: torch.Tensor, dims: Sequence[int], eps: float) -> torch.Tensor:
@@ -113,10 +114,10 @@ class ExactNormsMode(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def autodiff_level(kind: str, order: int = 1) -> Iterator[_levels.Level]:
+def autodiff_level(kind: str, order: int = 1) -> Iterator[AutodiffLevel]:
     """Push an autodiff level; at graph order 2 and above, also run the function with
     ``ExactNormsMode`` (once per thread: inner levels find it active)."""
-    level = _levels.Level(kind, order)
+    level = AutodiffLevel(kind, order)
     with _levels.pushed(level):
         if graph_order() < 2 or getattr(_tls, "active", False):
             yield level

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from .._pytree import tree_flatten, tree_unflatten
-from ..errors import TransformArgumentError
+from ..errors import TransformArgumentError, transform_call
 from .exact_norms import autodiff_level
 from ._differentiable import (Argnums, connected_outside, detach_tree, gradients,
                               make_differentiable, normalize_argnums, outer_needs_graph,
@@ -53,7 +53,7 @@ def grad(func: Callable, argnums: Argnums = 0, has_aux: bool = False) -> Callabl
 
 def grad_and_value_impl(func, argnums, has_aux, args, kwargs, api):
     """(gradient, value, aux) of ``func`` at ``args``; ``api`` names the caller in errors."""
-    api_call = f"{api}({getattr(func, '__name__', 'f')}, argnums={argnums!r})"
+    api_call = transform_call(api, func, argnums=argnums)
     if not args:
         raise TransformArgumentError(
             f"{api_call}: the function was called with no positional arguments; {api} "

@@ -3,7 +3,9 @@ standard-basis cotangents / tangents.
 
 Shapes nest as in PyTorch's transforms: for output leaf ``o`` and input leaf ``x`` the block has
 shape ``o.shape + x.shape``; the output's pytree is outside, the input's (and argnums') inside.
-``chunk_size`` bounds how many basis vectors are pushed at once (memory), for all three.
+``chunk_size`` bounds how many basis vectors are pushed at once (memory), for all three; it is
+checked by ``errors.check_chunk_size``, as vmap's is.  Errors open with the call echoed
+(``errors.transform_call``): ``hessian``'s name its own call, not the jacfwd/jacrev inside it.
 """
 from __future__ import annotations
 
@@ -13,18 +15,11 @@ from typing import Callable, List, Optional
 import torch
 
 from .._pytree import tree_flatten, tree_unflatten
-from ..errors import TransformArgumentError
-from ..batching.api import vmap
+from ..errors import TransformArgumentError, check_chunk_size, transform_call
+from ..batching.api import check_randomness, vmap
 from ._differentiable import Argnums, normalize_argnums, replace_argnums, select_argnums
 from .jvp import jvp_impl
 from .vjp import vjp_impl
-
-
-def _check_chunk_size(chunk_size, api):
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise TransformArgumentError(
-            f"{api}: chunk_size must be None or a positive int, got {chunk_size!r}. Use "
-            "chunk_size=None to push every basis vector at once.")
 
 
 def _basis(flat: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -71,8 +66,12 @@ def _nest(blocks, out_spec, in_structure, argnums):
 def jacrev(func: Callable, argnums: Argnums = 0, *, has_aux: bool = False,
            chunk_size: Optional[int] = None) -> Callable:
     """The Jacobian of ``func`` w.r.t. ``args[argnums]`` by reverse mode (vmap over vjp)."""
-    api = "jacrev"
-    _check_chunk_size(chunk_size, api)
+    api = transform_call("jacrev", func, argnums=argnums)
+    check_chunk_size(chunk_size, api)
+    return _jacrev(func, argnums, has_aux, chunk_size, api)
+
+
+def _jacrev(func, argnums, has_aux, chunk_size, api):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -110,8 +109,13 @@ def jacrev(func: Callable, argnums: Argnums = 0, *, has_aux: bool = False,
 def jacfwd(func: Callable, argnums: Argnums = 0, has_aux: bool = False, *,
            randomness: str = "error", chunk_size: Optional[int] = None) -> Callable:
     """The Jacobian of ``func`` w.r.t. ``args[argnums]`` by forward mode (vmap over jvp)."""
-    api = "jacfwd"
-    _check_chunk_size(chunk_size, api)
+    api = transform_call("jacfwd", func, argnums=argnums)
+    check_randomness(randomness, api)
+    check_chunk_size(chunk_size, api)
+    return _jacfwd(func, argnums, has_aux, randomness, chunk_size, api)
+
+
+def _jacfwd(func, argnums, has_aux, randomness, chunk_size, api):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -120,7 +124,8 @@ def jacfwd(func: Callable, argnums: Argnums = 0, has_aux: bool = False, *,
         basis = _basis(flat_in)
 
         def push(*tangents):
-            res = jvp_impl(f, primals, tree_unflatten(list(tangents), in_spec), has_aux, api)
+            res = jvp_impl(f, primals, tree_unflatten(list(tangents), in_spec), has_aux, api,
+                           via_argnums=True)
             return (res[1], res[2]) if has_aux else res[1]
 
         if has_aux:
@@ -149,5 +154,7 @@ def jacfwd(func: Callable, argnums: Argnums = 0, has_aux: bool = False, *,
 def hessian(func: Callable, argnums: Argnums = 0, *, has_aux: bool = False,
             chunk_size: Optional[int] = None) -> Callable:
     """The Hessian of a scalar function: ``jacfwd(jacrev(func))`` (forward-over-reverse)."""
-    inner = jacrev(func, argnums, has_aux=has_aux, chunk_size=chunk_size)
-    return jacfwd(inner, argnums, has_aux=has_aux, chunk_size=chunk_size)
+    api = transform_call("hessian", func, argnums=argnums)
+    check_chunk_size(chunk_size, api)
+    inner = _jacrev(func, argnums, has_aux, chunk_size, api)
+    return _jacfwd(inner, argnums, has_aux, "error", chunk_size, api)

@@ -34,15 +34,18 @@ import torch.autograd.forward_ad as fwAD
 from .. import _levels
 from ..functionalize import functional_tangents, unwrap_functional
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
-from ..errors import InplaceIntoUnbatchedError, TransformArgumentError
-from ..batching.api import ForwardModeAroundVmap
+from ..errors import (ForwardModeAroundVmap, InplaceIntoUnbatchedError, TransformArgumentError,
+                      transform_call)
 from .exact_norms import autodiff_level
+from .levels import claim_forward_ad, release_forward_ad
 from ._differentiable import (connected_outside, depends_on, detach_tree,
                               flatten_tensor_outputs, internal_leaf, make_differentiable,
                               outer_needs_graph, reaches_outside, split_aux)
 
 
-def _check_primals_tangents(primals, tangents, api: str):
+def _check_primals_tangents(primals, tangents, api: str, via_argnums: bool = False):
+    """``api`` is the echoed call; ``via_argnums``: the primals were chosen by argnums (jacfwd),
+    so the fix for a non-differentiable one is to leave it out of argnums."""
     if not isinstance(primals, (tuple, list)):
         raise TransformArgumentError(
             f"{api}: primals must be a tuple of the function's positional arguments, got a "
@@ -70,7 +73,7 @@ def _check_primals_tangents(primals, tangents, api: str):
             raise TransformArgumentError(
                 f"{api}: {names[i]} has dtype {p.dtype}; only floating point and complex "
                 "tensors can be differentiated. Convert it (x.float()), or "
-                + ("exclude it from argnums." if api != "jvp" else
+                + ("exclude it from argnums." if via_argnums else
                    "close over it in the function instead of passing it in primals."))
         if p.shape != t.shape:
             names = names or leaf_paths(tuple(primals), "primals")
@@ -138,11 +141,14 @@ def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
     With ``strict=True`` an output that does not depend on the primals (its tangent would be
     zero) raises instead of getting a zero tangent, as in the reference library.
     """
-    return jvp_impl(func, primals, tangents, has_aux, "jvp", strict=strict)
+    api = transform_call("jvp", func, "primals", "tangents",
+                         **({"strict": True} if strict else {}))
+    return jvp_impl(func, primals, tangents, has_aux, api, strict=strict)
 
 
-def jvp_impl(func, primals, tangents, has_aux, api, strict=False):
-    flat_p, flat_t, spec = _check_primals_tangents(primals, tangents, api)
+def jvp_impl(func, primals, tangents, has_aux, api, strict=False, via_argnums=False):
+    """``api``: the echoed call errors open with (``transform_call``)."""
+    flat_p, flat_t, spec = _check_primals_tangents(primals, tangents, api, via_argnums)
     flat_t, promote = _cast_tangents(flat_p, flat_t)
     result = _jvp_routes(func, flat_p, flat_t, spec, has_aux, api, strict)
     if promote is None:
@@ -155,9 +161,9 @@ def jvp_impl(func, primals, tangents, has_aux, api, strict=False):
 def _strict_error(api, out, i):
     path = leaf_paths(out, "output")[i] if not isinstance(out, torch.Tensor) else "the output"
     return TransformArgumentError(
-        f"{api}(f, primals, tangents, strict=True): {path} of f does not depend on the "
-        "primals, so its tangent would be zero; strict=True refuses that. Pass strict=False "
-        "(the default) to get a zero tangent for it.")
+        f"{api}: {path} of the function does not depend on the primals, so its tangent would "
+        "be zero; strict=True refuses that. Pass strict=False (the default) to get a zero "
+        "tangent for it.")
 
 
 def _jvp_routes(func, flat_p, flat_t, spec, has_aux, api, strict):
@@ -167,7 +173,7 @@ def _jvp_routes(func, flat_p, flat_t, spec, has_aux, api, strict):
     # mode over PyTorch's forward-AD formulas is not always possible (softmax's formula
     # modifies a saved exp() in place, and plain PyTorch raises there too).
     if _levels.forward_ad_state() != "none" or \
-            outer_needs_graph(list(flat_p) + list(flat_t)) or not _levels.claim_forward_ad():
+            outer_needs_graph(list(flat_p) + list(flat_t)) or not claim_forward_ad():
         return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api, strict)
     try:
         result = _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api, strict)
@@ -181,7 +187,7 @@ def _jvp_routes(func, flat_p, flat_t, spec, has_aux, api, strict):
         if not (_no_forward_formula(e) or _tangent_layout_assert(e)):
             raise
     finally:
-        _levels.release_forward_ad()
+        release_forward_ad()
     return _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api, strict)
 
 
@@ -313,7 +319,7 @@ def _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api, strict=False):
 def linearize(func: Callable, *primals: Any):
     """``(func(*primals), jvp_fn)`` where ``jvp_fn(*tangents)`` is the Jacobian-vector product
     at ``primals``.  ``func`` runs once; each ``jvp_fn`` call is one backward pass."""
-    api = "linearize"
+    api = transform_call("linearize", func, "*primals")
     flat_p, spec = tree_flatten(tuple(primals))
     needs_graph, grad_on = outer_needs_graph(flat_p), torch.is_grad_enabled()
     with autodiff_level("grad", order=2), torch.enable_grad():
@@ -321,7 +327,7 @@ def linearize(func: Callable, *primals: Any):
             _double_vjp_setup(func, flat_p, spec, False, api, needs_graph, grad_on)
 
     def jvp_fn(*tangents):
-        _, flat_t, _ = _check_primals_tangents(primals, tangents, "linearize's jvp_fn")
+        _, flat_t, _ = _check_primals_tangents(primals, tangents, f"{api}'s jvp_fn")
         flat_t, promote = _cast_tangents(flat_p, flat_t)
         # differentiable when the primal side is, or a tangent is part of a graph
         graph = keep_graph or outer_needs_graph(flat_t)

@@ -11,7 +11,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
-from ..errors import TransformArgumentError
+from ..errors import TransformArgumentError, transform_call
 from .exact_norms import autodiff_level
 from ._differentiable import (connected_outside, detach_tree, flatten_tensor_outputs,
                               gradients, make_differentiable, outer_needs_graph,
@@ -27,10 +27,11 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False):
     >>> vjp_fn(torch.ones(3))
     (tensor([1., 1., 1.]),)
     """
-    return vjp_impl(func, primals, has_aux, "vjp")
+    return vjp_impl(func, primals, has_aux, transform_call("vjp", func, "*primals"))
 
 
 def vjp_impl(func: Callable, primals: tuple, has_aux: bool, api: str):
+    """``api``: the echoed call errors open with (``transform_call``)."""
     keep_graph = outer_needs_graph(tree_flatten(primals)[0])
     grad_on = torch.is_grad_enabled()
     with autodiff_level("grad"), torch.enable_grad():

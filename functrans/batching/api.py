@@ -19,7 +19,8 @@ from .. import _levels
 from .. import functionalize as _functionalize
 from .._pytree import broadcast_prefix, describe_structure, leaf_paths, tree_flatten, \
     tree_unflatten
-from ..errors import EscapedBatchedTensorError, TransformArgumentError, UnsupportedUnderVmap
+from ..errors import (EscapedBatchedTensorError, ForwardModeAroundVmap, TransformArgumentError,
+                      UnsupportedUnderVmap, check_chunk_size, transform_call)
 from .batched_tensor import BatchedTensor
 from .helpers import match_bdim
 from .mode import VmapLevelMode
@@ -55,16 +56,11 @@ def vmap(func: Callable, in_dims: Any = 0, out_dims: Any = 0, randomness: str = 
     >>> functrans.vmap(torch.dot)(x, x).shape
     torch.Size([5])
     """
-    if randomness not in _RANDOMNESS:
-        raise TransformArgumentError(
-            f"vmap: randomness must be one of {_RANDOMNESS}, got {randomness!r}.")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
-                                   or chunk_size < 1):
-        raise TransformArgumentError(
-            f"vmap: chunk_size must be None or a positive int, got {chunk_size!r}. Use "
-            "chunk_size=None to run the whole batch at once.")
-    _check_dims_spec(in_dims, "in_dims")
-    _check_dims_spec(out_dims, "out_dims")
+    api = _api_name(func, in_dims, out_dims)
+    check_randomness(randomness, api)
+    check_chunk_size(chunk_size, api)
+    _check_dims_spec(in_dims, "in_dims", api)
+    _check_dims_spec(out_dims, "out_dims", api)
 
     @functools.wraps(func)
     def wrapped(*args, **kwargs):
@@ -77,19 +73,27 @@ def _is_dim_leaf(x) -> bool:
     return x is None or (isinstance(x, int) and not isinstance(x, bool))
 
 
-def _check_dims_spec(spec, name: str) -> None:
+def check_randomness(randomness, api: str) -> None:
+    """``randomness`` must be one of vmap's modes (vmap, jacfwd); ``api`` opens the message."""
+    if randomness not in _RANDOMNESS:
+        raise TransformArgumentError(
+            f"{api}: randomness must be one of {_RANDOMNESS}, got {randomness!r}: 'error' "
+            "(random ops raise), 'different' (each example draws its own values) or 'same' "
+            "(one draw shared by the batch).")
+
+
+def _check_dims_spec(spec, name: str, api: str) -> None:
     leaves, _ = tree_flatten(spec)
     for leaf in leaves:
         if not _is_dim_leaf(leaf):
             raise TransformArgumentError(
-                f"vmap: {name} must be an int, None, or a (nested) tuple/list/dict of those "
+                f"{api}: {name} must be an int, None, or a (nested) tuple/list/dict of those "
                 f"matching the structure of the {'inputs' if name == 'in_dims' else 'outputs'}; "
                 f"got {spec!r}, which contains {leaf!r} ({type(leaf).__name__}).")
 
 
 def _api_name(func, in_dims, out_dims) -> str:
-    name = getattr(func, "__name__", type(func).__name__)
-    return f"vmap({name}, in_dims={in_dims!r}, out_dims={out_dims!r})"
+    return transform_call("vmap", func, in_dims=in_dims, out_dims=out_dims)
 
 
 def _flat_in_dims(in_dims, args: Tuple, api: str) -> List[Optional[int]]:
@@ -98,7 +102,8 @@ def _flat_in_dims(in_dims, args: Tuple, api: str) -> List[Optional[int]]:
     if not isinstance(in_dims, (tuple, list)):
         raise TransformArgumentError(
             f"{api}: in_dims must be an int, None, or a tuple with one entry per positional "
-            f"argument; got a {type(in_dims).__name__}. Wrap it in a tuple: in_dims=({in_dims!r},).")
+            f"argument; got a {type(in_dims).__name__}. Wrap it in a tuple: "
+            f"in_dims=({in_dims!r},).")
     if len(in_dims) != len(args):
         raise TransformArgumentError(
             f"{api}: in_dims has {len(in_dims)} entries but the function was called with "
@@ -114,11 +119,6 @@ def _flat_in_dims(in_dims, args: Tuple, api: str) -> List[Optional[int]]:
                     "container of the same structure as its argument.")
         raise TransformArgumentError(f"{api}: in_dims {in_dims!r} do not match the inputs.")
     return flat
-
-
-class ForwardModeAroundVmap(Exception):
-    """Raised when vmap starts inside functrans.jvp's forward-AD level: jvp retries by the
-    double-vjp route.  See Note [autograd on physical values] in dispatch.py."""
 
 
 def _check_forward_ad(api: str) -> None:

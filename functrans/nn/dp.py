@@ -36,6 +36,9 @@ the DDP wrapper; DDP's averaging all-reduce then yields the global noisy sum).
 
 The model must be functional per example: no BatchNorm in training mode (its statistics would
 mix examples, which DP-SGD forbids anyway); buffers are passed through unbatched.
+
+Argument errors are ``functrans.errors`` types that open with the call echoed
+(``transform_call``), e.g. ``dp_sgd_grads(model, loss_fn, batch, max_norm=0.0, ...): ...``.
 """
 from __future__ import annotations
 
@@ -45,7 +48,9 @@ import torch
 from torch import nn
 
 from ..autodiff.grad import grad
-from ..batching.api import vmap
+from ..batching.api import check_randomness, vmap
+from ..errors import (TransformArgumentError, TransformKeyError, TransformTypeError,
+                      transform_call)
 from .functional_call import functional_call
 
 __all__ = ["per_sample_grads", "clip_and_sum", "add_gaussian_noise", "dp_sgd_grads",
@@ -66,20 +71,22 @@ def _trainable(model: nn.Module) -> Tuple[Grads, Grads]:
     return params, rest
 
 
-def _as_tuple(batch) -> tuple:
+def _as_tuple(batch, api: str) -> tuple:
     if isinstance(batch, torch.Tensor):
         return (batch,)
     if isinstance(batch, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in batch):
         return tuple(batch)
-    raise TypeError("DP-SGD: batch must be a tensor or a tuple of tensors (inputs, targets, ...) "
-                    f"batched along dim 0; got {type(batch).__name__}")
+    raise TransformTypeError(
+        f"{api}: batch must be a tensor or a tuple of tensors (inputs, targets, ...) batched "
+        f"along dim 0; got {type(batch).__name__}. Pass e.g. batch=(inputs, targets).")
 
 
-def _batch_size(batch: tuple) -> int:
+def _batch_size(batch: tuple, api: str) -> int:
     sizes = {t.shape[0] if t.dim() else None for t in batch}
     if len(sizes) != 1 or None in sizes:
-        raise ValueError(f"DP-SGD: every batch tensor needs the same dim-0 size; got "
-                         f"{[tuple(t.shape) for t in batch]}")
+        raise TransformArgumentError(
+            f"{api}: every batch tensor needs the same dim-0 size (one row per example); got "
+            f"shapes {[tuple(t.shape) for t in batch]}.")
     return sizes.pop()
 
 
@@ -100,7 +107,14 @@ def per_sample_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], bat
     ``randomness`` is vmap's: ``"different"`` (default) gives every example its own dropout mask,
     as a per-example loop would.
     """
-    batch = _as_tuple(batch)
+    return _per_sample_grads(model, loss_fn, batch, randomness,
+                             transform_call("per_sample_grads", "model", "loss_fn", "batch"))
+
+
+def _per_sample_grads(model, loss_fn, batch, randomness, api) -> Grads:
+    check_randomness(randomness, api)
+    batch = _as_tuple(batch, api)
+    _batch_size(batch, api)
     model = _unwrap(model)
     params, rest = _trainable(model)
 
@@ -120,11 +134,23 @@ def clip_and_sum(per_sample: Mapping[str, torch.Tensor], max_norm: float
     ``factor_i = min(1, max_norm / (norms[i] + 1e-6))`` and ``norms[i]`` the L2 norm of example
     ``i``'s gradient over ALL parameters (before clipping).
     """
+    return _clip_and_sum(per_sample, max_norm,
+                         transform_call("clip_and_sum", "per_sample", max_norm=max_norm))
+
+
+def _check_max_norm(max_norm, api: str) -> None:
     if max_norm <= 0:
-        raise ValueError(f"max_norm must be positive; got {max_norm}")
+        raise TransformArgumentError(
+            f"{api}: max_norm must be positive (the clipping bound C); got {max_norm}.")
+
+
+def _clip_and_sum(per_sample, max_norm, api):
+    _check_max_norm(max_norm, api)
     grads = list(per_sample.values())
     if not grads:
-        raise ValueError("clip_and_sum: no gradients (does the model have trainable parameters?)")
+        raise TransformArgumentError(
+            f"{api}: there are no gradients to clip; does the model have trainable parameters "
+            "(requires_grad=True)?")
     sq = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads]).sum(0)
     norms = sq.sqrt()
     factor = (max_norm / (norms + CLIP_EPS)).clamp(max=1.0)
@@ -133,10 +159,11 @@ def clip_and_sum(per_sample: Mapping[str, torch.Tensor], max_norm: float
     return sums, norms
 
 
-def _generator(generator: Optional[torch.Generator], seed: Optional[int]
+def _generator(generator: Optional[torch.Generator], seed: Optional[int], api: str
                ) -> Optional[torch.Generator]:
     if generator is not None and seed is not None:
-        raise ValueError("give either generator= or seed=, not both")
+        raise TransformArgumentError(
+            f"{api}: got both generator= and seed=; give either generator= or seed=, not both.")
     if seed is not None:
         return torch.Generator().manual_seed(int(seed))
     return generator
@@ -151,7 +178,7 @@ def add_gaussian_noise(grads: Mapping[str, torch.Tensor], std: float, *,
     to each gradient's device and dtype: the same generator state gives the same noise whatever
     device the gradients live on.
     """
-    gen = _generator(generator, seed)
+    gen = _generator(generator, seed, transform_call("add_gaussian_noise", "grads", std=std))
     if std == 0:
         return dict(grads)
     out = {}
@@ -190,15 +217,21 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, 
     only rank ``noise_rank`` (a rank within the group) adds noise, from its ``generator``/``seed``.
     ``randomness``: see ``per_sample_grads`` (dropout masks per example).
     """
+    api = transform_call("dp_sgd_grads", "model", "loss_fn", "batch", max_norm=max_norm,
+                         noise_multiplier=noise_multiplier)
     if reduction not in ("sum", "mean"):
-        raise ValueError(f"reduction must be 'sum' or 'mean'; got {reduction!r}")
+        raise TransformArgumentError(
+            f"{api}: reduction must be 'sum' (the noisy sum) or 'mean' (divided by the batch "
+            f"size); got {reduction!r}.")
     if noise_multiplier < 0:
-        raise ValueError(f"noise_multiplier must be >= 0; got {noise_multiplier}")
-    gen = _generator(generator, seed)
-    batch = _as_tuple(batch)
-    n = _batch_size(batch)
-    per_sample = per_sample_grads(model, loss_fn, batch, randomness=randomness)
-    sums, norms = clip_and_sum(per_sample, max_norm)
+        raise TransformArgumentError(
+            f"{api}: noise_multiplier must be >= 0 (0: no noise); got {noise_multiplier}.")
+    _check_max_norm(max_norm, api)   # before the per-example gradients are computed
+    gen = _generator(generator, seed, api)
+    batch = _as_tuple(batch, api)
+    n = _batch_size(batch, api)
+    per_sample = _per_sample_grads(model, loss_fn, batch, randomness, api)
+    sums, norms = _clip_and_sum(per_sample, max_norm, api)
 
     distributed = distributed or process_group is not None
     adds_noise = True
@@ -225,7 +258,9 @@ def assign_grads(model: nn.Module, grads: Mapping[str, torch.Tensor], *,
     named = dict(_unwrap(model).named_parameters())
     unknown = sorted(set(grads) - set(named))
     if unknown:
-        raise KeyError(f"assign_grads: the model has no parameters named {unknown}")
+        raise TransformKeyError(
+            f"{transform_call('assign_grads', 'model', 'grads')}: the model has no parameters "
+            f"named {unknown}; grads must be keyed by names of model.named_parameters().")
     for name, g in grads.items():
         p = named[name]
         g = g.detach().to(device=p.device, dtype=p.dtype)

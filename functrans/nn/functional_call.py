@@ -22,24 +22,24 @@ from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from ..errors import TransformArgumentError
+from ..errors import TransformArgumentError, transform_call
 
 Dicts = Union[Mapping[str, torch.Tensor], Sequence[Mapping[str, torch.Tensor]]]
 
 
-def _merge(dicts: Dicts) -> Dict[str, torch.Tensor]:
+def _merge(dicts: Dicts, api: str) -> Dict[str, torch.Tensor]:
     if isinstance(dicts, Mapping):
         return dict(dicts)
     if not isinstance(dicts, (list, tuple)) or not all(isinstance(d, Mapping) for d in dicts):
         raise TransformArgumentError(
-            "functional_call: parameter_and_buffer_dicts must be a dict of name -> tensor, or a "
+            f"{api}: parameter_and_buffer_dicts must be a dict of name -> tensor, or a "
             f"list/tuple of such dicts; got {type(dicts).__name__}.")
     merged: Dict[str, torch.Tensor] = {}
     for d in dicts:
         twice = sorted(set(d) & set(merged))
         if twice:
             raise TransformArgumentError(
-                f"functional_call: {twice} appeared in more than one of the dicts, so which "
+                f"{api}: {twice} appeared in more than one of the dicts, so which "
                 "value to use is ambiguous. Give each name in exactly one dict.")
         merged.update(d)
     return merged
@@ -55,7 +55,8 @@ def _tied_names(module: nn.Module) -> Dict[str, List[str]]:
     return {name: by_tensor[id(t)] for name, t in named}
 
 
-def _expand_ties(module: nn.Module, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def _expand_ties(module: nn.Module, values: Dict[str, torch.Tensor], api: str
+                 ) -> Dict[str, torch.Tensor]:
     tied = _tied_names(module)
     out = dict(values)
     for name, value in values.items():
@@ -64,14 +65,14 @@ def _expand_ties(module: nn.Module, values: Dict[str, torch.Tensor]) -> Dict[str
                 continue
             if other in values and values[other] is not value:
                 raise TransformArgumentError(
-                    f"functional_call: got different values for {name!r} and {other!r}, which "
+                    f"{api}: got different values for {name!r} and {other!r}, which "
                     "are tied (the same tensor) in the module. Give one of them, or pass "
                     "tie_weights=False to untie them for this call.")
             out[other] = value
     return out
 
 
-def _check_strict(module: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+def _check_strict(module: nn.Module, values: Mapping[str, torch.Tensor], api: str) -> None:
     expected = {n for n, _ in module.named_parameters(remove_duplicate=False)} | \
         {n for n, _ in module.named_buffers(remove_duplicate=False)}
     missing = sorted(expected - set(values))
@@ -83,18 +84,18 @@ def _check_strict(module: nn.Module, values: Mapping[str, torch.Tensor]) -> None
         if unexpected:
             parts.append(f"unexpected key(s): {unexpected}")
         raise TransformArgumentError(
-            "functional_call(strict=True): the dicts must give exactly the module's parameters "
+            f"{api}: with strict=True the dicts must give exactly the module's parameters "
             "and buffers; " + "; ".join(parts) + ".")
 
 
-def _owner(module: nn.Module, name: str) -> Tuple[nn.Module, str]:
+def _owner(module: nn.Module, name: str, api: str) -> Tuple[nn.Module, str]:
     *path, leaf = name.split(".")
     owner = module
     for i, part in enumerate(path):
         child = getattr(owner, part, None)
         if not isinstance(child, nn.Module):
             raise TransformArgumentError(
-                f"functional_call: {name!r} does not name a tensor of the module: "
+                f"{api}: {name!r} does not name a tensor of the module: "
                 f"{'.'.join(path[:i + 1])!r} is not a submodule.")
         owner = child
     return owner, leaf
@@ -117,18 +118,19 @@ def _module_lock(module: nn.Module) -> threading.RLock:
 
 
 @contextlib.contextmanager
-def swapped_tensors(module: nn.Module, values: Mapping[str, torch.Tensor]) -> Iterator[None]:
+def swapped_tensors(module: nn.Module, values: Mapping[str, torch.Tensor],
+                    api: str = "functional_call") -> Iterator[None]:
     """Within the block, ``module``'s tensors named in ``values`` are the given tensors (and
-    no other thread's functional_call on ``module`` runs)."""
+    no other thread's functional_call on ``module`` runs).  ``api`` opens error messages."""
     with _module_lock(module):
-        yield from _swapped(module, values)
+        yield from _swapped(module, values, api)
 
 
-def _swapped(module: nn.Module, values: Mapping[str, torch.Tensor]):
+def _swapped(module: nn.Module, values: Mapping[str, torch.Tensor], api: str):
     undo: List[Tuple[Dict[str, Any], str, Any, bool]] = []
     try:
         for name, value in values.items():
-            owner, leaf = _owner(module, name)
+            owner, leaf = _owner(module, name, api)
             for table in (owner._parameters, owner._buffers):
                 if leaf in table:
                     undo.append((table, leaf, table[leaf], True))
@@ -152,23 +154,26 @@ def functional_call(module: nn.Module, parameter_and_buffer_dicts: Dicts,
                     tie_weights: bool = True, strict: bool = False):
     """Call ``module(*args, **kwargs)`` with its parameters and buffers replaced by the
     tensors in ``parameter_and_buffer_dicts`` (see the module docstring)."""
+    api = transform_call("functional_call", module, "parameter_and_buffer_dicts",
+                         **({"strict": True} if strict else {}),
+                         **({} if tie_weights else {"tie_weights": False}))
     if not isinstance(module, nn.Module):
         raise TransformArgumentError(
-            f"functional_call: expected an nn.Module as the first argument, got "
+            f"{api}: expected an nn.Module as the first argument, got "
             f"{type(module).__name__}.")
-    values = _merge(parameter_and_buffer_dicts)
+    values = _merge(parameter_and_buffer_dicts, api)
     for name, v in values.items():
         if not isinstance(v, torch.Tensor):
             raise TransformArgumentError(
-                f"functional_call: the value for {name!r} is a {type(v).__name__}; every value "
+                f"{api}: the value for {name!r} is a {type(v).__name__}; every value "
                 "must be a tensor.")
     if tie_weights:
-        values = _expand_ties(module, values)
+        values = _expand_ties(module, values, api)
     if strict:
-        _check_strict(module, values)
+        _check_strict(module, values, api)
     if args is None:
         args = ()
     elif not isinstance(args, tuple):
         args = (args,)
-    with swapped_tensors(module, values):
+    with swapped_tensors(module, values, api):
         return module(*args, **(kwargs or {}))

@@ -14,21 +14,25 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..errors import TransformArgumentError
+from ..errors import TransformArgumentError, transform_call
 from ..batching.api import vmap
 from .functional_call import functional_call
+
+
+_API = transform_call("stack_module_state", "models")
+_ENSEMBLE_CALL = transform_call(transform_call("Ensemble", "models"), None, "*args", shared=False)
 
 
 def _stack(name: str, tensors: Sequence[torch.Tensor], kind: str) -> torch.Tensor:
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) != 1:
         raise TransformArgumentError(
-            f"stack_module_state: the {kind} {name!r} has different shapes across the models "
+            f"{_API}: the {kind} {name!r} has different shapes across the models "
             f"({sorted(shapes)}); models of one ensemble must have the same architecture.")
     grads = {t.requires_grad for t in tensors}
     if len(grads) != 1:
         raise TransformArgumentError(
-            f"stack_module_state: the {kind} {name!r} requires grad in some models and not in "
+            f"{_API}: the {kind} {name!r} requires grad in some models and not in "
             "others; freeze or unfreeze it in all of them.")
     stacked = torch.stack([t.detach() for t in tensors])
     return stacked.requires_grad_() if grads.pop() and kind == "parameter" else stacked
@@ -41,17 +45,17 @@ def stack_module_state(models: Sequence[nn.Module]
     shapes."""
     models = list(models)
     if not models:
-        raise TransformArgumentError("stack_module_state: expected at least one model, got 0.")
+        raise TransformArgumentError(f"{_API}: expected at least one model, got 0.")
     if not all(isinstance(m, nn.Module) for m in models):
-        raise TransformArgumentError("stack_module_state: every element must be an nn.Module.")
+        raise TransformArgumentError(f"{_API}: every element must be an nn.Module.")
     kinds = {type(m) for m in models}
     if len(kinds) != 1:
         raise TransformArgumentError(
-            "stack_module_state: the models must all be of one class; got "
+            f"{_API}: the models must all be of one class; got "
             f"{sorted(k.__name__ for k in kinds)}.")
     if len({m.training for m in models}) != 1:
         raise TransformArgumentError(
-            "stack_module_state: some models are in training mode and some in eval mode; call "
+            f"{_API}: some models are in training mode and some in eval mode; call "
             ".train() or .eval() on all of them first.")
     names0 = [n for n, _ in models[0].named_parameters()]
     bnames0 = [n for n, _ in models[0].named_buffers()]
@@ -59,7 +63,7 @@ def stack_module_state(models: Sequence[nn.Module]
         if [n for n, _ in m.named_parameters()] != names0 or \
                 [n for n, _ in m.named_buffers()] != bnames0:
             raise TransformArgumentError(
-                f"stack_module_state: model {i} has different parameter or buffer names than "
+                f"{_API}: model {i} has different parameter or buffer names than "
                 "model 0; models of one ensemble must have the same architecture.")
     all_params = [dict(m.named_parameters()) for m in models]
     all_buffers = [dict(m.named_buffers()) for m in models]
@@ -112,7 +116,7 @@ class Ensemble:
             for i, a in enumerate(args):
                 if isinstance(a, torch.Tensor) and (a.dim() == 0 or a.shape[0] != self.size):
                     raise TransformArgumentError(
-                        f"Ensemble(shared=False): argument {i} has shape {tuple(a.shape)}; its "
+                        f"{_ENSEMBLE_CALL}: argument {i} has shape {tuple(a.shape)}; its "
                         f"dim 0 must be the number of members ({self.size}).")
         skeleton = self._skeleton
 

@@ -213,7 +213,7 @@ ENTRIES = [
            return l
        out, vjp_fn = ft.vjp(f, w)
        vjp_fn(torch.tensor(1.0))
-       """, T, r"^vjp: the function called \.backward\(\)",
+       """, T, r"^vjp\(f, \*primals\): the function called \.backward\(\)",
        (".backward()", "return the loss"), which=NA,
        torch_func="RuntimeError: \"backward() called inside a functorch transform ...\""),
     _e("grad_non_scalar", "`grad` of a function with a non-scalar output",
@@ -244,7 +244,8 @@ ENTRIES = [
     _e("jacfwd_of_int_tensor", "`jacfwd` w.r.t. an integer tensor",
        """
        ft.jacfwd(lambda n: n * 2)(torch.arange(3))
-       """, T, r"^jacfwd: primals\[0\] has dtype torch\.int64.*x\.float\(\)",
+       """, T,
+       r"^jacfwd\(<lambda>, argnums=0\): primals\[0\] has dtype torch\.int64.*x\.float\(\)",
        ("primals[0]", "torch.int64", "x.float()"),
        torch_func="ValueError: \"Expected primal to be floating point or complex, but got: "
                   "torch.int64\""),
@@ -331,7 +332,8 @@ ENTRIES = [
     _e("jacrev_non_tensor_output", "`jacrev` of a function returning a non-tensor",
        """
        ft.jacrev(lambda p: (p.sin(), 3))(w)
-       """, T, r"^jacrev: the function must return tensors.*output\[1\] is a int",
+       """, T,
+       r"^jacrev\(<lambda>, argnums=0\): the function must return tensors.*output\[1\] is a int",
        ("output[1]", "has_aux=True"),
        torch_func="RuntimeError: \"vjp(f, *primals): expected f(*primals) to return only "
                   "tensors, got unsupported type <class 'int'>\" (says vjp, not jacrev)"),
@@ -479,9 +481,17 @@ ENTRIES = [
     _e("jacrev_chunk_size", "`jacrev(f, chunk_size=0)`",
        """
        ft.jacrev(torch.sin, chunk_size=0)
-       """, T, r"^jacrev: chunk_size must be None or a positive int",
+       """, T, r"^jacrev\(sin, argnums=0\): chunk_size must be None or a positive int",
        ("chunk_size", "chunk_size=None"),
        torch_func="ValueError: \"jacrev: `chunk_size` should be greater than 0.\""),
+    _e("jacrev_chunk_size_bool", "`jacrev(f, chunk_size=True)` (a bool is not a size)",
+       """
+       ft.jacrev(torch.sin, chunk_size=True)
+       """, T, r"^jacrev\(sin, argnums=0\): chunk_size must be None or a positive int, got "
+               r"True \(bool\)",
+       ("chunk_size", "chunk_size=None"),
+       torch_func="accepted, then TypeError at call time: \"new_zeros() takes 1 positional "
+                  "argument but 2 were given\""),
     _e("randomness_invalid", "an unknown `randomness` value",
        """
        ft.vmap(torch.sin, randomness="differnet")
