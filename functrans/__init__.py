@@ -12,7 +12,7 @@ from .autodiff.jvp import jvp, linearize
 from .autodiff.jacobians import jacrev, jacfwd, hessian
 from .batching.report import FallbackReport, batching_coverage, batching_rules, record_fallbacks
 from .nn import Ensemble, functional_call, replace_all_batch_norm_modules_, stack_module_state
-from .functionalize import functionalize
+from .functionalization import functionalize
 from .einops import rearrange
 from . import config
 

@@ -32,7 +32,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from .. import _levels
-from ..functionalize import functional_tangents, unwrap_functional
+from ..functionalization import functional_tangents, unwrap_functional
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import (ForwardModeAroundVmap, InplaceIntoUnbatchedError, TransformArgumentError,
                       transform_call)

@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from .. import _levels
-from .. import functionalize as _functionalize
+from .. import functionalization as _functionalization
 from .._pytree import broadcast_prefix, describe_structure, leaf_paths, tree_flatten, \
     tree_unflatten
 from ..errors import (EscapedBatchedTensorError, ForwardModeAroundVmap, TransformArgumentError,
@@ -228,8 +228,8 @@ def _resolve_bits(x: torch.Tensor) -> torch.Tensor:
 
 def _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size, randomness, api):
     level = _levels.VmapLevel(batch_size, randomness)
-    # logical_ops first: its mode must sit below VmapLevelMode (see functionalize.py)
-    with _levels.pushed(level), _functionalize.logical_ops(level), VmapLevelMode(level):
+    # logical_ops first: its mode must sit below VmapLevelMode (see functionalization.py)
+    with _levels.pushed(level), _functionalization.logical_ops(level), VmapLevelMode(level):
         batched = [a if d is None else BatchedTensor(_resolve_bits(a), d, level)
                    for a, d in zip(flat_args, flat_dims)]
         out = func(*tree_unflatten(batched, args_spec), **kwargs)

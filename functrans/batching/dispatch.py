@@ -35,7 +35,7 @@ import torch
 import torch.autograd.forward_ad as _fwAD
 
 from ..errors import EscapedBatchedTensorError, UnsupportedUnderVmap
-from .. import functionalize as _functionalize
+from .. import functionalization as _functionalization
 from . import decompositions, guards, registry
 from .batched_tensor import BatchedTensor, top_level
 from .fallback import loop_fallback
@@ -50,12 +50,12 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], entry=None,
     level = top_level(args, kwargs)
     if not level.alive:
         guards.check_alive(op, level)
-    if _functionalize._active_anywhere and not _guarded:
+    if _functionalization._active_anywhere and not _guarded:
         # functionalize(vmap(f)): the physical values are functional wrappers, and PyTorch
-        # excludes the Functionalize key inside __torch_dispatch__ (see functrans.functionalize).
+        # excludes the Functionalize key inside __torch_dispatch__ (see functrans/functionalization.py).
         # (Re-entered with _guarded rather than split into two functions: one Python call
         # less on every op of the common path.)
-        guard = _functionalize.physical_functionalization(level)
+        guard = _functionalization.physical_functionalization(level)
         if guard is not None:
             with guard:
                 return dispatch(op, args, kwargs, entry, _guarded=True)

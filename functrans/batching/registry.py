@@ -42,7 +42,7 @@ from typing import Callable, Dict, FrozenSet, List, NamedTuple, Optional, Set, T
 import torch
 from torch.utils._pytree import tree_map_only
 
-from ..errors import UnsupportedUnderVmap
+from ..errors import TransformTypeError, UnsupportedUnderVmap
 from .helpers import match_bdim
 from .op_schema import decomposes_above_dispatch, overload_named, written_arguments
 from .randomness import is_random_op
@@ -132,7 +132,7 @@ def register_batch_rule(ops, rule: Optional[Rule] = None, *, family: str = CUSTO
         elif isinstance(op, torch._ops.OpOverload):
             overloads.append(op)
         else:
-            raise TypeError(f"register_batch_rule: expected an OpOverload or OpOverloadPacket "
+            raise TransformTypeError(f"register_batch_rule: expected an OpOverload or OpOverloadPacket "
                             f"(e.g. torch.ops.aten.sin.default), got {op!r}")
 
     def register(fn: Rule) -> Rule:

@@ -23,6 +23,7 @@ from typing import Dict, Iterator, Optional, Union
 
 import torch
 
+from ..errors import TransformTypeError
 from . import fallback, registry
 from .decompositions import has_decomposition
 from .known_fallbacks import reason
@@ -121,7 +122,7 @@ def _overload(op: OpLike) -> torch._ops.OpOverload:
         ov = overload_named(op)
         if ov is not None:
             return ov
-    raise TypeError(f"batching_coverage: expected an OpOverload, OpOverloadPacket or an op "
+    raise TransformTypeError(f"batching_coverage: expected an OpOverload, OpOverloadPacket or an op "
                     f"name like 'aten.index_add.default' or 'aten::index_add', got {op!r}")
 
 

@@ -1,7 +1,7 @@
 """Working with nn.Modules: functional_call, stacking models (stack_module_state, Ensemble),
 BatchNorm under vmap (replace_all_batch_norm_modules_), DP-SGD (``functrans.nn.dp``)."""
 from .batch_norm import replace_all_batch_norm_modules_
-from .functional_call import functional_call
+from .stateless import functional_call
 from .stacking import Ensemble, stack_module_state
 from . import dp
 from .dp import (add_gaussian_noise, assign_grads, clip_and_sum, dp_sgd_grads, per_sample_grads,

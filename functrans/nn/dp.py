@@ -51,7 +51,7 @@ from ..autodiff.grad import grad
 from ..batching.api import check_randomness, vmap
 from ..errors import (TransformArgumentError, TransformKeyError, TransformTypeError,
                       transform_call)
-from .functional_call import functional_call
+from .stateless import functional_call
 
 __all__ = ["per_sample_grads", "clip_and_sum", "add_gaussian_noise", "dp_sgd_grads",
            "assign_grads", "surrogate_loss", "CLIP_EPS"]

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import TransformArgumentError, transform_call
 from ..batching.api import vmap
-from .functional_call import functional_call
+from .stateless import functional_call
 
 
 _API = transform_call("stack_module_state", "models")
