@@ -10,7 +10,6 @@ import torch.utils._pytree as pytree
 
 tree_flatten = pytree.tree_flatten
 tree_unflatten = pytree.tree_unflatten
-tree_map = pytree.tree_map
 _is_leaf = getattr(pytree, "tree_is_leaf", None) or pytree._is_leaf
 
 

@@ -64,6 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _levels
 from ._pytree import leaf_paths, tree_flatten, tree_unflatten
 from .batching.batched_tensor import BatchedTensor
+from .batching.op_schema import written_arguments
 from .errors import ForwardModeAroundVmap, FunctransError, TransformArgumentError, transform_call
 
 __all__ = ["functionalize"]
@@ -360,10 +361,10 @@ def _writes_into_plain(func, args, kwargs) -> bool:
     schema = func._schema
     if not schema.is_mutable:
         return False
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) else kwargs.get(arg.name)
+    positions, names = written_arguments(func)
+    written = [args[i] if i < len(args) else kwargs.get(schema.arguments[i].name)
+               for i in positions] + [kwargs.get(n) for n in names]
+    for v in written:
         for t in (v if isinstance(v, (list, tuple)) else (v,)):
             if isinstance(t, torch.Tensor) and not _is_functional(t):
                 return True

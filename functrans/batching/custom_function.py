@@ -6,7 +6,7 @@ a live vmap level, following the contract PyTorch documents for its own vmap (``
 
 * a Function with a ``vmap(info, in_dims, *args)`` staticmethod: the staticmethod is called on
   the physical values (``info.batch_size``, ``info.randomness``; one ``in_dim`` per argument,
-  None for unbatched ones) *below* the level (that level's randomness mode is popped, so its own
+  None for unbatched ones) *below* the level (that level's dispatch mode is popped, so its own
   random draws are plain), and its ``(output, out_dims)`` are wrapped back at the level.
   ``out_dims`` may be an int, None, or a tuple matching the outputs.  The Function's
   ``setup_context`` / ``backward`` / ``jvp`` are attached to the *wrappers* by a generated

@@ -61,6 +61,11 @@ def written_arguments(op: torch._ops.OpOverload) -> Tuple[List[int], List[str]]:
     return positional, keyword
 
 
+def writes_self(op: torch._ops.OpOverload) -> bool:
+    """Whether ``op`` writes its first argument in place (``add_``, ``triu_``, ``scatter_``)."""
+    return 0 in written_arguments(op)[0]
+
+
 def decomposes_above_dispatch(op: torch._ops.OpOverload) -> bool:
     """True for CompositeImplicitAutograd ops: they never reach ``__torch_dispatch__``."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(

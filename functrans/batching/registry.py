@@ -289,10 +289,6 @@ def _guess_family(op: torch._ops.OpOverload) -> str:
 # arguments minus the written ones, with the same names and types.  These are resolved only for
 # ops with no rule of their own.
 
-def _is_written(a) -> bool:
-    return a.alias_info is not None and a.alias_info.is_write
-
-
 def _signature(args) -> List[Tuple[str, str]]:
     return [(a.name, str(a.type)) for a in args]
 
@@ -303,7 +299,8 @@ def counterpart(op: torch._ops.OpOverload) -> Tuple[str, Optional[torch._ops.OpO
         return "", None
     name, overload = op.overloadpacket.__name__, op._overloadname
     args = op._schema.arguments
-    written = [a for a in args if _is_written(a)]
+    positions, names = written_arguments(op)
+    written = [a for i, a in enumerate(args) if i in positions or a.name in names]
     if name.endswith("_copy") and not written:
         base = overload_named(f"aten::{name[:-len('_copy')]}.{overload}")
         if base is not None and _signature(base._schema.arguments) == _signature(args):
@@ -317,7 +314,7 @@ def counterpart(op: torch._ops.OpOverload) -> Tuple[str, Optional[torch._ops.OpO
             return "inplace", base
         return "", None
     if written and all(a.kwarg_only for a in written):
-        wanted = _signature([a for a in args if not _is_written(a)])
+        wanted = _signature([a for a in args if all(a is not w for w in written)])
         packet = op.overloadpacket
         for ov in packet.overloads():
             base = getattr(packet, ov)
@@ -384,7 +381,8 @@ def _inplace_rule(op, base, base_rule):
 
 
 def _out_rule(op, base, base_rule):
-    names = [a.name for a in op._schema.arguments if _is_written(a)]
+    names = [op._schema.arguments[i].name for i in written_arguments(op)[0]] + \
+        written_arguments(op)[1]
 
     # (info, in_dims positional-only: ``info=`` is also an out argument of linalg_inv_ex.inverse)
     def rule(info, in_dims, /, *args, _kw_dims, **kwargs):

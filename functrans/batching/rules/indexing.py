@@ -3,7 +3,7 @@ advanced indexing (index.Tensor, _unsafe_index, index_put, _index_put_impl, _uns
 _unsafe_masked_index, _unsafe_masked_index_put_accumulate), index_add / index_copy /
 index_reduce / index_fill, take / put, select/slice/diagonal_scatter, masked_fill with a tensor
 value, masked_scatter (+ its backward) and isin.  In-place and out= variants come from
-``derived.py``.
+``registry.py`` (Note [derived rules]).
 
 Invariants: one physical call per op, and an example's indices only ever address that
 example: batched operands get the batch first and unbatched ones are expanded (a view) to the
@@ -21,6 +21,7 @@ import torch
 from ..batched_tensor import BatchedTensor
 from ..helpers import (ensure_bdim_front, logical_rank, move_bdim_to_front, normalize_dim,
                        pad_to_rank)
+from ..op_schema import writes_self
 from ..registry import Decline, registrar
 
 aten = torch.ops.aten
@@ -39,7 +40,7 @@ def gather_rule(info, in_dims, x, dim, index, *, sparse_grad=False):
 
 
 def _scatter_rule_for(op):
-    inplace = op._schema.arguments[0].alias_info is not None
+    inplace = writes_self(op)
 
     def rule(info, in_dims, x, dim, index, src, *args, **kwargs):
         B = info.batch_size

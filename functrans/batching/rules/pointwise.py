@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from ..helpers import move_bdim_to_front, pad_to_rank
+from ..op_schema import writes_self, written_arguments
 from ..registry import register_tag_rule, registrar
 
 # Note [0-d promotion]
@@ -116,14 +117,11 @@ def _fix_zero_dim_promotion(args, in_dims, ranks):
 
 def pointwise_rule_for(op: torch._ops.OpOverload):
     schema = op._schema
-    if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
-           for a in schema.arguments):
-        return None  # out= variants: derived.py's out rule wraps this op's functional rule
+    if written_arguments(op)[1]:
+        return None  # out= variants: the derived out rule wraps this op's functional rule
     if torch.Tag.nondeterministic_seeded in op.tags:
         return None  # random ops: rules/random.py
-    args_schema = schema.arguments
-    inplace = bool(args_schema) and args_schema[0].alias_info is not None \
-        and args_schema[0].alias_info.is_write
+    inplace = writes_self(op)
     # Backward kernels (gelu_backward...) always see equal shapes in eager, and some CPU kernels
     # cannot broadcast: give their unbatched tensors the full batched shape (a stride-0 view).
     is_prim = op.namespace == "prims"

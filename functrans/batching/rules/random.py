@@ -24,6 +24,7 @@ import torch
 
 from ...errors import UnsupportedUnderVmap
 from ..helpers import ensure_bdim_front, move_bdim_to_front, pad_to_rank
+from ..op_schema import writes_self
 from ..registry import registrar
 
 aten = torch.ops.aten
@@ -36,7 +37,7 @@ def _example(x, bdim):
 
 
 def _shape_only_rule_for(op):
-    inplace = op._schema.arguments[0].alias_info is not None
+    inplace = writes_self(op)
 
     def rule(info, in_dims, x, *args, **kwargs):
         b = in_dims[0]
@@ -222,7 +223,7 @@ def _check_enough_categories(example, num_samples):
 def _rrelu_rule_for(op):
     """rrelu_with_noise(self, noise!, lower, upper, training): for self <= 0 draws r from
     U(lower, upper), writes r into ``noise`` and returns self * r; elsewhere noise is 1."""
-    inplace = op._schema.arguments[0].alias_info is not None
+    inplace = writes_self(op)
 
     def rule(info, in_dims, x, noise, lower=0.125, upper=1 / 3, training=False,
              generator=None):

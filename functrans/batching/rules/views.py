@@ -47,6 +47,7 @@ import torch
 
 from ..helpers import (ensure_bdim_front, logical_rank, move_bdim_to_front, normalize_dim,
                        pad_to_rank, physical_dim)
+from ..op_schema import writes_self
 from .. import guards
 from ..batched_tensor import BatchedTensor
 from ..registry import Decline, registrar
@@ -309,7 +310,7 @@ def roll_rule(info, in_dims, x, shifts, dims=()):
 
 
 def _triangle_rule_for(op):
-    inplace = op._schema.arguments[0].alias_info is not None
+    inplace = writes_self(op)
 
     def rule(info, in_dims, x, diagonal=0):
         b, r = in_dims[0], logical_rank(x, in_dims[0])
