@@ -2,8 +2,8 @@
 advanced indexing (index.Tensor, _unsafe_index, index_put, _index_put_impl, _unsafe_index_put,
 _unsafe_masked_index, _unsafe_masked_index_put_accumulate), index_add / index_copy /
 index_reduce / index_fill, take / put, select/slice/diagonal_scatter, masked_fill with a tensor
-value, masked_scatter (+ its backward) and isin.  In-place and out= variants come from
-``derived.py``.
+value, masked_scatter (+ its backward) and isin.  In-place and out= variants are derived
+rules (Note [derived rules] in ``registry.py``).
 
 Invariants: one physical call per op, and an example's indices only ever address that
 example: batched operands get the batch first and unbatched ones are expanded (a view) to the

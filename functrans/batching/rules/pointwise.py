@@ -118,7 +118,7 @@ def pointwise_rule_for(op: torch._ops.OpOverload):
     schema = op._schema
     if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
            for a in schema.arguments):
-        return None  # out= variants: derived.py's out rule wraps this op's functional rule
+        return None  # out= variants: a derived out rule wraps the functional op's (registry.py)
     if torch.Tag.nondeterministic_seeded in op.tags:
         return None  # random ops: rules/random.py
     args_schema = schema.arguments
