@@ -143,3 +143,20 @@ def test_stated_layering_holds():
             kind == "late" and (module, t) == tuple(f"{PACKAGE}.{x}" for x in _LATE_EDGE)))
         assert not extra, f"{name} imports {extra}, which ARCHITECTURE.md lists after it"
         allowed.add(module)
+
+
+def test_readme_layout_names_every_module():
+    """README.md's layout block (the ``functrans/`` tree) names every module of the package:
+    a file by its name, a rules file by its family."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(rf"\n```\n({PACKAGE}/\n.*?)```", readme, re.S).group(1)
+    words = set(re.findall(r"[\w.]+", block))
+    missing = []
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        rel = path.relative_to(ROOT / PACKAGE)
+        if path.name == "__init__.py" and len(rel.parts) > 1:
+            continue   # a subpackage is named by its folder
+        name = path.stem if rel.parts[:2] == ("batching", "rules") else path.name
+        if name not in words:
+            missing.append(rel.as_posix())
+    assert not missing, f"README.md's layout block does not name {missing}"
