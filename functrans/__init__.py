@@ -1,6 +1,10 @@
 """functrans: composable function transforms for PyTorch, on a batching-rule dispatcher.
 
 The public API mirrors PyTorch's functional transforms (same names and signatures).
+
+Imports: errors, config, batching.api, batching.batched_tensor, batching.report, autodiff.grad,
+autodiff.vjp, autodiff.jvp, autodiff.jacobians, nn, functionalization, einops (the public API is
+re-exported from them).
 """
 from .errors import (EscapedBatchedTensorError, FunctransError, PerformanceWarning,
                      TransformArgumentError, UnsupportedUnderVmap)

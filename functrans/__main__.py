@@ -1,4 +1,7 @@
-"""``python -m functrans``: a short demo of what functrans does, checked and timed."""
+"""``python -m functrans``: a short demo of what functrans does, checked and timed.
+
+Imports: functrans (the public API only).
+"""
 from __future__ import annotations
 
 import time

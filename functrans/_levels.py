@@ -14,7 +14,7 @@ What this module owns: what vmap, functionalize and autodiff all use: the stack,
 differentiation order, the ownership of the process-wide forward-AD level) lives in
 ``functrans/autodiff/levels.py``, which records the owner here (``set_forward_ad_owner``).
 
-May import: torch only (never functrans.autodiff or functrans.batching).
+Imports: nothing (torch only; never functrans.autodiff or functrans.batching).
 """
 from __future__ import annotations
 

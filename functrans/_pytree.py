@@ -1,6 +1,8 @@
 """Pytree helpers for the transforms: leaf paths and broadcasting of in_dims/out_dims prefixes.
 
 Uses ``torch.utils._pytree``, so custom nodes registered there work everywhere.
+
+Imports: nothing (torch.utils._pytree only).
 """
 from __future__ import annotations
 

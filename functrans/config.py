@@ -10,7 +10,7 @@ Both are thread-local: a setting made in one thread does not change another thre
 thread starts with the defaults), so concurrent tests or servers cannot switch each other's
 behaviour.  The attribute works through a property of this module's class (``_ConfigModule``).
 
-May import: the standard library only.
+Imports: nothing (the standard library only).
 """
 from __future__ import annotations
 

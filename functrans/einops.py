@@ -11,6 +11,8 @@ reports the per-example shape and functrans batches those ops, so the full einop
 language (``...``, ``()``, ``1``, composed and decomposed axes, its error messages) comes for
 free and stays exactly einops's semantics.  einops is a small pure-Python package; it is an
 optional extra (``pip install functrans[einops]``) so the core keeps its two dependencies.
+
+Imports: errors (the optional einops package is imported inside ``rearrange``).
 """
 from __future__ import annotations
 

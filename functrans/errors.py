@@ -12,7 +12,7 @@ What this module owns
   e.g. ``"jacrev(f, argnums=0): ..."``.
 - ``check_chunk_size``: the one validation of ``chunk_size`` (vmap, jacrev, jacfwd, hessian).
 
-May import: nothing from functrans (every other module imports this one).
+Imports: nothing (every other module imports this one).
 """
 from __future__ import annotations
 

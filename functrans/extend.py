@@ -10,6 +10,8 @@
 A rule receives this level's physical values (``info.batch_size`` examples stacked at the
 ``in_dims`` dims) and returns physical outputs with their batch dims.  Test it with
 ``functrans.config.strict_fallback()`` so that a pass proves the rule ran.
+
+Imports: errors, batching.helpers, batching.registry.
 """
 from .errors import PerformanceWarning, UnsupportedUnderVmap
 from .batching.helpers import (ensure_bdim_front, first_bdim, keep_bdim_rule, logical_rank,

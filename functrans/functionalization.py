@@ -49,6 +49,9 @@ are not removed (they are not inputs), and an input whose metadata is changed in
 write into an input that a transform differentiates (PyTorch refuses the in-place write into
 that leaf).  ``functionalize(f, remove='mutations_and_views')`` directly inside another
 functionalize call keeps the outer call's view setting.
+
+Imports: _levels, _pytree, errors, batching.batched_tensor (to recognise wrappers, never the
+dispatcher).
 """
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ requires grad (an outer ``grad``, or ordinary autograd) is a view of it, so the 
 differentiable from outside; an alias of any other tensor is a new leaf.  Views also keep a
 forward-mode tangent, which is how ``jacfwd(jacrev(f))`` works; otherwise the alias is a
 detached leaf.
+
+Imports: _levels, _pytree, errors, batching.batched_tensor (to recognise wrappers, never the
+dispatcher).
 """
 from __future__ import annotations
 

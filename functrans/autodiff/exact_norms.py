@@ -17,6 +17,8 @@ counts its ``AutodiffLevel.order``), functrans runs these functions as compositi
 in nested autodiff transforms.  First-order transforms (grad, vjp, jacrev, vmap(grad) for
 per-sample gradients) keep the fused kernels.  Running statistics are still updated by the fused
 kernel (under no_grad), so their semantics under vmap do not change.
+
+Imports: _levels, levels.
 """
 from __future__ import annotations
 

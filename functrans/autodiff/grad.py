@@ -4,6 +4,8 @@ The gradient is taken with ``torch.autograd.grad`` w.r.t. fresh aliases of the c
 ``create_graph`` is on only when ordinary autograd or an outer transform needs the result to be
 differentiable.  An outer ``torch.no_grad()`` is overridden (the transform still differentiates);
 a ``torch.no_grad()`` inside the function is respected.
+
+Imports: _pytree, errors, _differentiable, exact_norms.
 """
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ shape ``o.shape + x.shape``; the output's pytree is outside, the input's (and ar
 ``chunk_size`` bounds how many basis vectors are pushed at once (memory), for all three; it is
 checked by ``errors.check_chunk_size``, as vmap's is.  Errors open with the call echoed
 (``errors.transform_call``): ``hessian``'s name its own call, not the jacfwd/jacrev inside it.
+
+Imports: _pytree, errors, _differentiable, vjp, jvp, batching.api (jacrev and jacfwd are vmaps of
+vjp and jvp).
 """
 from __future__ import annotations
 

@@ -22,6 +22,8 @@ are accepted as the reference library accepts them: the derivative is computed i
 dtype and each output tangent is promoted with the tangents' dtypes (a float64 tangent gives a
 float64 output tangent, as there).  Outside vmap the mismatch is refused with a clear error,
 as vjp_fn refuses a cotangent of another dtype (the reference accepts both).
+
+Imports: _levels, _pytree, errors, functionalization, _differentiable, exact_norms, levels.
 """
 from __future__ import annotations
 

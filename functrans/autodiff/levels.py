@@ -5,7 +5,7 @@ level (``claim_forward_ad`` / ``release_forward_ad``, used by ``jvp``).
 The shared stack, ``Level`` and ``forward_ad_state`` live in ``functrans/_levels.py`` (vmap and
 functionalize use them too); this module records the owning thread there.
 
-May import: torch, ``functrans._levels``.
+Imports: _levels (and torch).
 """
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 ``vjp_fn`` may be called many times and under ``vmap`` (``vmap(vjp_fn)(basis)`` is a Jacobian):
 it calls ``torch.autograd.grad`` with ``retain_graph=True`` on the recorded graph, and batched
 cotangents flow through the backward formulas as BatchedTensors.
+
+Imports: _pytree, errors, _differentiable, exact_norms.
 """
 from __future__ import annotations
 

@@ -20,6 +20,8 @@ Importing this package registers the built-in rules (``rules``) and installs, ex
 two patches functrans makes outside its own objects: the hooks of ``above_dispatch`` and
 ``torch.autograd.Function.apply`` (``custom_function``).  Importing any single module of it
 patches nothing.
+
+Imports: api, batched_tensor, above_dispatch, custom_function, rules.
 """
 from . import above_dispatch, custom_function
 from . import rules  # noqa: F401  (importing registers every built-in rule)

@@ -7,6 +7,8 @@ as a view of that input, as in eager (``_as_view_of_input``).  Wrapping needs no
 autograd.Function: an input that carries autograd state keeps it on the physical value, and the
 dispatcher records the rules' physical ops (see Note [autograd on physical values] in
 dispatch.py).
+
+Imports: _levels, _pytree, errors, functionalization, batched_tensor, helpers, mode.
 """
 from __future__ import annotations
 

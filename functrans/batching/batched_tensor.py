@@ -14,8 +14,8 @@ arguments), the errors of Python conversions of a wrapper (``.item()``, ``bool()
 hook point for the logically 0-d integer wrappers' ``__torch_function__`` (``above_dispatch.py``
 installs it).
 
-Imports: errors only (and, late, the dispatcher: the package's one import cycle, see
-``__torch_dispatch__``).
+Imports: errors, dispatch (late, inside ``__torch_dispatch__``: the package's one import cycle,
+allowed by tests/test_import_graph.py).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ active).  The steps:
 
 Rules never see wrappers of their own level and never deal with the cases above.
 
-Imports: errors, functionalize (its state: is a functionalize active?), batched_tensor,
+Imports: errors, functionalization (its state: is a functionalize active?), batched_tensor,
 registry, guards, decompositions, fallback.
 """
 from __future__ import annotations
@@ -296,7 +296,7 @@ _inference_mode = torch.is_inference_mode_enabled
 # Forward-mode AD is the exception: a tangent on a plain tensor that meets a BatchedTensor would be
 # propagated at both levels, which PyTorch cannot do.  So a ``jvp`` whose function runs a vmap takes
 # the exact double-vjp route (reverse mode only), and a raw ``forward_ad.dual_level`` around a
-# vmap is refused with an error (see ``vmap.api._check_forward_ad``).  Forward AD inside a vmap
+# vmap is refused with an error (see ``api._check_forward_ad``).  Forward AD inside a vmap
 # (``vmap(jvp(f))``) records on the wrappers and is fully supported.
 
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality,

@@ -3,6 +3,8 @@
 Conventions: ``bdim`` is the physical dimension of the batch in a physical tensor, or ``None``
 when the tensor is not batched at the current level.  "Logical" shapes and dims are what the
 user's per-example function sees; "physical" ones include the batch dimension.
+
+Imports: nothing (torch only).
 """
 from __future__ import annotations
 

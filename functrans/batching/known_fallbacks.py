@@ -11,6 +11,8 @@ Only ops whose ``batching_coverage`` is 'fallback' belong here (``tests/test_reg
 fails for any other entry): an op with a decomposition is not listed even when an op it
 decomposes into loops (``aten.resize_as`` decomposes into ``aten.resize``, which is listed;
 ``aten.cudnn_batch_norm`` and its backward decompose into batched ops).
+
+Imports: nothing (a table of reasons).
 """
 from __future__ import annotations
 

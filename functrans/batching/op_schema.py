@@ -18,7 +18,7 @@ they are left out.  Resolving all ~3100 ATen overloads takes ~0.2 s, so resoluti
 per name; each call re-reads the dispatcher's names (a few ms), so an op registered later (a
 ``torch.library`` fragment of ``aten``) still appears.
 
-Imports: torch only.
+Imports: nothing (torch only).
 """
 from __future__ import annotations
 

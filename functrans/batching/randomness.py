@@ -17,7 +17,7 @@ inside a vmapped function has no tensor argument, so no wrapper would ever see i
 (``guards.py``) call ``draws_random`` / ``random_error`` for random ops on batched tensors, whose
 rules are in ``rules/random.py``.
 
-Imports: errors, batched_tensor.  Never the dispatcher.
+Imports: errors, batched_tensor, op_schema.  Never the dispatcher.
 """
 from __future__ import annotations
 

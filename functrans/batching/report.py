@@ -14,6 +14,8 @@
   their functional op's rule), ``'composite'`` (decomposes above dispatch, into ops that are
   batched themselves), ``'decomposition'`` (a torch._decomp decomposition), ``'fallback'``.
 * ``batching_rules()`` lists every ATen op overload with a rule, and the rules file it lives in.
+
+Imports: errors, registry, decompositions, fallback, known_fallbacks, op_schema.
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """Working with nn.Modules: functional_call, stacking models (stack_module_state, Ensemble),
-BatchNorm under vmap (replace_all_batch_norm_modules_), DP-SGD (``functrans.nn.dp``)."""
+BatchNorm under vmap (replace_all_batch_norm_modules_), DP-SGD (``functrans.nn.dp``).
+
+Imports: stateless, stacking, batch_norm, dp.
+"""
 from .batch_norm import replace_all_batch_norm_modules_
 from .stateless import functional_call
 from .stacking import Ensemble, stack_module_state

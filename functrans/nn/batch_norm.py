@@ -7,6 +7,8 @@ every BatchNorm of ``root`` to not tracking running stats (``running_mean``/``ru
 to None, ``track_running_stats=False``): training mode then uses the batch's statistics only.
 The alternative that keeps running stats is to batch them: ``stack_module_state`` / ``Ensemble``
 stack each member's buffers, and each member's stats are updated.
+
+Imports: nothing (torch only).
 """
 from __future__ import annotations
 

@@ -39,6 +39,8 @@ mix examples, which DP-SGD forbids anyway); buffers are passed through unbatched
 
 Argument errors are ``functrans.errors`` types that open with the call echoed
 (``transform_call``), e.g. ``dp_sgd_grads(model, loss_fn, batch, max_norm=0.0, ...): ...``.
+
+Imports: errors, stateless, batching.api, autodiff.grad.
 """
 from __future__ import annotations
 

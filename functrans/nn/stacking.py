@@ -5,6 +5,8 @@ tensors stacked along a new leading dim.  Parameters are new leaf tensors (they 
 the models' do), so a ``torch.optim`` optimizer can update them directly; buffers are stacked
 values.  ``Ensemble`` owns such a state and a copy of the first model as the skeleton, and runs
 every member with one ``vmap`` over the stacked state.
+
+Imports: errors, stateless, batching.api.
 """
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ pure function of the dicts: ``grad``, ``vmap`` and ``jacrev`` can differentiate 
   one of them gives all; giving two of them different tensors is an error.
 * Buffers that the forward updates in place (BatchNorm's running stats) are updated in the
   tensors you passed, as in PyTorch's own.
+
+Imports: errors.
 """
 from __future__ import annotations
 
