@@ -50,8 +50,8 @@ write into an input that a transform differentiates (PyTorch refuses the in-plac
 that leaf).  ``functionalize(f, remove='mutations_and_views')`` directly inside another
 functionalize call keeps the outer call's view setting.
 
-Imports: _levels, _pytree, errors, batching.batched_tensor (to recognise wrappers, never the
-dispatcher).
+Imports: _levels, _pytree, errors, batching.batched_tensor (to recognise wrappers),
+batching.op_schema (which arguments an op writes). Never the dispatcher.
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ and ``upsample`` use ``spatial``'s helpers).
 Imports: activations, attention, autograd_ops, conv, data_dependent, embedding, factories, fft,
 histograms, indexing, linalg, linalg_solvers, losses, norms, padding, pointwise, pooling, random,
 reductions, rnn, sorting, sparse, spatial, upsample, views (this package's files), helpers,
-registry, batched_tensor, guards, errors (never dispatch, mode or fallback: a rule calls ops, and
-the dispatcher routes them).
+registry, op_schema, batched_tensor, guards, errors (never dispatch, mode or fallback: a rule
+calls ops, and the dispatcher routes them).
 """
 from . import pointwise, reductions, views, linalg, factories, random  # noqa: F401
 from . import autograd_ops, conv, data_dependent, indexing, losses, padding  # noqa: F401
