@@ -197,7 +197,8 @@ def setitem_with_batched_scalars(x, index, value):
 #   ``length`` elements, so the result has one shape; it is ``index_select`` of
 #   ``start + arange(length)`` (after wrapping a negative start), batched by the indexing rules.
 #   Each example starts at its own offset, so the result cannot be a view of ``x``: it is a copy,
-#   recorded by ``guards.record_copy`` so that an in-place write into it (or into ``x``) while it lives
+#   recorded by ``guards.record_copy`` so that an in-place write into it (or into ``x``) while
+#   it lives
 #   raises instead of silently not reaching the other tensor.  Out-of-range starts raise eager's
 #   error (checked once on all the examples' starts).
 # * ``torch.tensor_split(x, sections)`` with a batched 0-d ``sections``: the pieces' shapes
@@ -294,7 +295,8 @@ def _tensor_split_error(split: torch.Tensor) -> UnsupportedUnderVmap:
 # batched BEFORE the entry point decomposes, i.e. above the dispatcher.  A TorchFunctionMode
 # would do it but costs every op under vmap about 1.6 us (+19% measured on a chain of sin); the
 # nn modules call these entry points through ``torch._VF``, so functrans wraps those eight
-# attributes of ``torch._VF`` instead (``install()``, called by ``functrans.batching``'s ``__init__``).  A wrapper
+# attributes of ``torch._VF`` instead (``install()``, called by ``functrans.batching``'s
+# ``__init__``).  A wrapper
 # costs one thread-local lookup per RNN call outside vmap and changes nothing there; inside vmap
 # it batches the state when another argument is batched.  Direct calls of ``torch.gru``,
 # ``torch.lstm_cell``... (not through torch._VF) are not hooked.

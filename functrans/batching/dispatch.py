@@ -52,7 +52,8 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], entry=None,
         guards.check_alive(op, level)
     if _functionalization._active_anywhere and not _guarded:
         # functionalize(vmap(f)): the physical values are functional wrappers, and PyTorch
-        # excludes the Functionalize key inside __torch_dispatch__ (see functrans/functionalization.py).
+        # excludes the Functionalize key inside __torch_dispatch__ (see
+        # functrans/functionalization.py).
         # (Re-entered with _guarded rather than split into two functions: one Python call
         # less on every op of the common path.)
         guard = _functionalization.physical_functionalization(level)

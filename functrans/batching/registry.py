@@ -132,7 +132,8 @@ def register_batch_rule(ops, rule: Optional[Rule] = None, *, family: str = CUSTO
         elif isinstance(op, torch._ops.OpOverload):
             overloads.append(op)
         else:
-            raise TransformTypeError(f"register_batch_rule: expected an OpOverload or OpOverloadPacket "
+            raise TransformTypeError(f"register_batch_rule: expected an OpOverload or "
+                                     f"OpOverloadPacket "
                             f"(e.g. torch.ops.aten.sin.default), got {op!r}")
 
     def register(fn: Rule) -> Rule:
@@ -239,7 +240,8 @@ _FAMILY_WORDS = (
     ("index", "indexing"), ("scatter", "indexing"), ("gather", "indexing"), ("take", "indexing"),
     ("put", "indexing"), ("masked", "indexing"), ("histc", "histograms"),
     ("histogram", "histograms"), ("bincount", "histograms"), ("searchsorted", "sorting"),
-    ("bucketize", "sorting"), ("sort", "sorting"), ("topk", "sorting"), ("linalg", "linalg_solvers"),
+    ("bucketize", "sorting"), ("sort", "sorting"), ("topk", "sorting"),
+    ("linalg", "linalg_solvers"),
     ("cholesky", "linalg_solvers"), ("lu_", "linalg_solvers"), ("svd", "linalg_solvers"),
     ("solve", "linalg_solvers"), ("mm", "linalg"), ("mv", "linalg"), ("loss", "losses"),
     ("fft", "fft"), ("_like", "factories"), ("new_", "factories"), ("glu", "activations"),

@@ -124,7 +124,8 @@ def _overload(op: OpLike) -> torch._ops.OpOverload:
         ov = overload_named(op)
         if ov is not None:
             return ov
-    raise TransformTypeError(f"batching_coverage: expected an OpOverload, OpOverloadPacket or an op "
+    raise TransformTypeError(f"batching_coverage: expected an OpOverload, OpOverloadPacket or "
+                             f"an op "
                     f"name like 'aten.index_add.default' or 'aten::index_add', got {op!r}")
 
 
