@@ -1,9 +1,9 @@
 """``vmap``: argument checking, batch-size inference, chunking, and one batched call.
 
 One batched call pushes a ``VmapLevel`` (and its dispatch mode, ``mode.py``), wraps each mapped
-input in a ``BatchedTensor``, runs the function, and turns each output back into a physical tensor with its
-batch dim at ``out_dims`` (``helpers.match_bdim``); an output that aliases an input comes back
-as a view of that input, as in eager (``_as_view_of_input``).  Wrapping needs no
+input in a ``BatchedTensor``, runs the function, and turns each output back into a physical
+tensor with its batch dim at ``out_dims`` (``helpers.match_bdim``); an output that aliases an
+input comes back as a view of that input, as in eager (``_as_view_of_input``).  Wrapping needs no
 autograd.Function: an input that carries autograd state keeps it on the physical value, and the
 dispatcher records the rules' physical ops (see Note [autograd on physical values] in
 dispatch.py).
