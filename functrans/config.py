@@ -22,42 +22,42 @@ import types
 _state = threading.local()
 
 
-def is_strict() -> bool:
-    return getattr(_state, "strict", False)
+class _Switch:
+    """One per-thread boolean: read, set, and set for a block."""
+
+    def __init__(self, name: str, default: bool):
+        self.name, self.default = name, default
+
+    def get(self) -> bool:
+        return getattr(_state, self.name, self.default)
+
+    def set(self, value: bool) -> None:
+        setattr(_state, self.name, bool(value))
+
+    @contextlib.contextmanager
+    def within(self, enabled: bool):
+        old = self.get()
+        self.set(enabled)
+        try:
+            yield
+        finally:
+            self.set(old)
 
 
-def set_strict(value: bool) -> None:
-    _state.strict = bool(value)
+_strict = _Switch("strict", False)
+_warn = _Switch("warn_on_fallback", True)
+is_strict, set_strict = _strict.get, _strict.set
+warns_on_fallback, set_warn_on_fallback = _warn.get, _warn.set
 
 
-@contextlib.contextmanager
 def strict_fallback(enabled: bool = True):
     """Within the block, hitting the loop fallback raises ``UnsupportedUnderVmap``."""
-    old = is_strict()
-    set_strict(enabled)
-    try:
-        yield
-    finally:
-        set_strict(old)
+    return _strict.within(enabled)
 
 
-def warns_on_fallback() -> bool:
-    return getattr(_state, "warn_on_fallback", True)
-
-
-def set_warn_on_fallback(value: bool) -> None:
-    _state.warn_on_fallback = bool(value)
-
-
-@contextlib.contextmanager
 def fallback_warnings(enabled: bool = True):
     """Within the block (in this thread), the loop fallback warns (``enabled``) or not."""
-    old = warns_on_fallback()
-    set_warn_on_fallback(enabled)
-    try:
-        yield
-    finally:
-        set_warn_on_fallback(old)
+    return _warn.within(enabled)
 
 
 class _ConfigModule(types.ModuleType):

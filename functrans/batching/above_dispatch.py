@@ -25,7 +25,7 @@ from torch import _VF
 from .. import _levels
 from ..errors import UnsupportedUnderVmap
 from . import guards
-from .batched_tensor import BatchedTensor, set_scalar_index_hook, top_level
+from .batched_tensor import BatchedTensor, innermost, set_scalar_index_hook, top_level
 from .helpers import normalize_dim
 
 aten = torch.ops.aten
@@ -215,13 +215,6 @@ def _is_batched(t) -> bool:
     return type(t) is BatchedTensor
 
 
-def _innermost(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under every level of wrappers: all the examples' values at once."""
-    while _is_batched(t):
-        t = t.value
-    return t
-
-
 def _bind(params, args, kwargs):
     """The call's arguments by name (positional first, then keywords), or None if the call's
     shape is not one we know (then the default path runs and reports its own error)."""
@@ -262,7 +255,7 @@ def narrow_with_batched_start(x: torch.Tensor, dim: int, start: torch.Tensor,
     if length < 0:
         raise RuntimeError("narrow(): length must be non-negative.")
     # One check over every example's start (eager reads start.item() too: a host sync).
-    starts = _innermost(start)
+    starts = innermost(start)
     bad = (starts < -size) | (starts > size) | (torch.where(starts < 0, starts + size, starts)
                                                  + length > size)
     if bool(bad.any()):

@@ -221,11 +221,16 @@ def debug_unwrap(tensor: torch.Tensor, *, recurse: bool = True) -> torch.Tensor:
     >>> seen[0] is x
     True
     """
-    while isinstance(tensor, BatchedTensor):
-        tensor = tensor.value
-        if not recurse:
-            break
-    return tensor
+    if recurse:
+        return innermost(tensor)
+    return tensor.value if isinstance(tensor, BatchedTensor) else tensor
+
+
+def innermost(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under every level of wrappers: all the examples of every level."""
+    while isinstance(t, BatchedTensor):
+        t = t.value
+    return t
 
 
 def top_level(args, kwargs=None):

@@ -99,12 +99,12 @@ def run_decomposition(op, args, kwargs) -> Tuple[bool, Any]:
 def confirming(op, fallback: Callable, error: BaseException) -> Callable:
     """``fallback``, which disables ``op``'s decomposition when it succeeds on the arguments
     the decomposition failed on (then the failure was the decomposition's, not the input's:
-    an invalid input makes the fallback raise eager's own error, and nothing is disabled)."""
+    an invalid input makes the fallback raise eager's own error, and nothing is disabled).
+    The fallback is told why (``_undecomposed=``), for its warning."""
+    why = _describe(error)
+
     def run(*args, **kwargs):
-        _failed[op] = _describe(error)   # so the fallback's warning can say why
-        try:
-            return fallback(*args, **kwargs)
-        except BaseException:
-            _failed.pop(op, None)
-            raise
+        out = fallback(*args, _undecomposed=why, **kwargs)
+        _failed[op] = why
+        return out
     return run

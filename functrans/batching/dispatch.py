@@ -68,7 +68,8 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], entry=None,
         return op.decompose(*args, **kwargs)
 
     # 3. unwrap
-    vals, in_dims, batched, kw_batched, track = unwrap(args, kwargs, level)
+    grad_on = _grad_enabled()
+    vals, in_dims, batched, kw_batched, track = unwrap(args, kwargs, level, grad_on)
     if not batched and not kw_batched:
         return run_below(op, vals, kwargs, track)
 
@@ -76,8 +77,8 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], entry=None,
     if entry.inplace_view:
         return run_inplace_view(op, args, kwargs, level)
     rule_checks = entry.checks_inplace and not kw_batched
-    if entry.checked or not _grad_enabled():
-        check_guards(op, entry, args, vals, in_dims, kwargs, level, rule_checks)
+    if entry.checked or not grad_on:
+        check_guards(op, entry, args, vals, in_dims, kwargs, level, rule_checks, grad_on)
 
     # 5. rule -> decline -> decomposition -> fallback
     rule = entry.rule
@@ -105,12 +106,11 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], entry=None,
     return rewrap(entry, args, kwargs, kw_batched, out, out_dims, level)
 
 
-def unwrap(args, kwargs, level):
+def unwrap(args, kwargs, level, grad_on: bool):
     """``(vals, in_dims, batched, kw_batched, track)``: the physical values of ``args`` at
     ``level`` and their bdims; whether a positional / keyword argument is batched at this
     level; whether autograd must record the physical ops (a physical value requires grad
-    while grad mode is on: Note [autograd on physical values])."""
-    grad_on = _grad_enabled()
+    while grad mode (``grad_on``) is on: Note [autograd on physical values])."""
     track = False
     batched = False
     vals: List[Any] = []
@@ -175,7 +175,7 @@ def run_below(op, vals, kwargs, track):
     return op(*vals, **kwargs)
 
 
-def check_guards(op, entry, args, vals, in_dims, kwargs, level, rule_checks) -> None:
+def check_guards(op, entry, args, vals, in_dims, kwargs, level, rule_checks, grad_on) -> None:
     """The refusals of ``guards.py`` that apply to this op and call.
 
     A rule registered with ``checks_inplace=True`` decides itself which writes into unbatched
@@ -186,7 +186,7 @@ def check_guards(op, entry, args, vals, in_dims, kwargs, level, rule_checks) -> 
             guards.check_writes(op, entry, vals, in_dims, kwargs, level, rule_checks)
         if entry.random:
             guards.check_random(op, args, kwargs, level)
-    if not _grad_enabled() and not _fw_grad_enabled() and not _inference_mode():
+    if not grad_on and not _fw_grad_enabled() and not _inference_mode():
         # Both grad modes off, outside inference mode: a custom autograd.Function's forward.
         guards.check_custom_function(args, level)
 

@@ -137,8 +137,12 @@ STRIDE_BLIND = {"mkldnn_rnn_layer", "mkldnn_rnn_layer_backward", "fractional_max
                 "fractional_max_pool3d_backward"}
 
 
-def loop_fallback(op, level, in_dims, *vals, _declined: bool = False, **kwargs):
-    """Run ``op`` per example; called like a rule (``rule(level, in_dims, *vals, **kwargs)``)."""
+def loop_fallback(op, level, in_dims, *vals, _declined: bool = False, _undecomposed: str = "",
+                  **kwargs):
+    """Run ``op`` per example; called like a rule (``rule(level, in_dims, *vals, **kwargs)``).
+    ``_declined``: the op's rule declined these arguments; ``_undecomposed``: why its
+    decomposition could not run (when it has just failed; later calls read it from
+    ``decompositions.failure``)."""
     if op.overloadpacket.__name__ in STORAGE_DEPENDENT:
         raise UnsupportedUnderVmap(
             f"vmap: {op} addresses memory by absolute storage offsets and strides, which has a "
@@ -158,12 +162,12 @@ def loop_fallback(op, level, in_dims, *vals, _declined: bool = False, **kwargs):
             f"vmap: {op} has no batching rule, and running it per example would give each "
             "example different random values, but randomness='same' was asked for. Use "
             "randomness='different', or draw the random values outside vmap and pass them in.")
-    if config.warn_on_fallback and op not in _warned:
+    if config.warns_on_fallback() and op not in _warned:
         _warned.add(op)
         why = reason(op)
         where = f"no batching rule on purpose: {why}" if why else \
             f"a rule for it belongs in {rules_file(op)}"
-        failed = decompositions.failure(op)
+        failed = _undecomposed or decompositions.failure(op)
         if failed:
             where += f"; its torch._decomp decomposition cannot run under vmap ({failed})"
         what = f"the batching rule for {op} does not handle these arguments" if _declined \

@@ -22,7 +22,7 @@ from typing import List, Tuple
 import torch
 
 from ..errors import EscapedBatchedTensorError, InplaceIntoUnbatchedError, UnsupportedUnderVmap
-from .batched_tensor import BatchedTensor
+from .batched_tensor import BatchedTensor, innermost
 from .randomness import draws_random, random_error
 
 _BT = BatchedTensor
@@ -154,9 +154,7 @@ NARROW = "narrow"  # narrow with a batched start: above_dispatch.py
 def _storage_ptr(t: torch.Tensor) -> int:
     """The innermost storage's address; 0 for an empty storage (every empty storage has
     address 0, and a write into one changes nothing, so it is never recorded or checked)."""
-    while type(t) is BatchedTensor:  # a wrapper of an outer level: its innermost memory
-        t = t.value
-    s = t.untyped_storage()
+    s = innermost(t).untyped_storage()  # a wrapper of an outer level: its innermost memory
     return s.data_ptr() if s.nbytes() else 0
 
 

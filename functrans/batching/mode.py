@@ -45,9 +45,10 @@ def _same_storage_numel(a, b):
     return a.numel() == b.numel()
 
 
-# Keyed by id(op), like the registry's entries.  A None answer means "ask the rule".
-_METADATA_QUERIES = {id(_aten.is_same_size.default): _same_size,
-                     id(_aten._has_same_storage_numel.default): _same_storage_numel}
+_IS_SAME_SIZE = _aten.is_same_size.default
+_HAS_SAME_STORAGE_NUMEL = _aten._has_same_storage_numel.default
+# A None answer means "ask the rule".
+METADATA_QUERIES = {_IS_SAME_SIZE: _same_size, _HAS_SAME_STORAGE_NUMEL: _same_storage_numel}
 
 
 def _batched_at(a, level) -> bool:
@@ -77,12 +78,11 @@ class VmapLevelMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         entry = _entries.get(id(func)) or registry.entry(func)
-        if types == _ONLY_BATCHED:
-            query = _METADATA_QUERIES.get(id(func))
-            if query is not None:
-                answer = query(*args)
-                if answer is not None:
-                    return answer
+        only_batched = types == _ONLY_BATCHED
+        if only_batched and (func is _IS_SAME_SIZE or func is _HAS_SAME_STORAGE_NUMEL):
+            answer = METADATA_QUERIES[func](*args)
+            if answer is not None:
+                return answer
         if entry.random and draws_random(func, args, kwargs) \
                 and not any(_batched_at(a, self.level) for a in args) \
                 and not any(_batched_at(a, self.level) for a in kwargs.values()):
@@ -90,7 +90,7 @@ class VmapLevelMode(TorchDispatchMode):
         if func in _UNINITIALIZED and self.level.randomness == "different" \
                 and not _batched_at(args[0], self.level):
             return batched_empty(func, args, kwargs, self.level)
-        if types == _ONLY_BATCHED:
+        if only_batched:
             return dispatch(func, args, kwargs, entry)
         if func is _EFFICIENT_ZEROS:
             # Forward AD makes the tangent of an input that has none (a closed-over tensor)

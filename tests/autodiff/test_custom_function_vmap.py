@@ -7,6 +7,7 @@ import torch.func as tf
 
 import functrans as ft
 from functrans.errors import UnsupportedUnderVmap
+from tests.autodiff.test_custom_function_and_checkpoint import SinGenerated
 from tests.support.oracles import assert_same, loop_oracle, make_batch
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -101,23 +102,6 @@ calls = []
 
 def cube_mul_ref(x, y):
     return x ** 3 * y, 2 * y
-
-
-class SinGenerated(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x.sin()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * x.cos()
 
 
 class NoisyScale(torch.autograd.Function):

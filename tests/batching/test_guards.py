@@ -33,13 +33,33 @@ def test_a_batched_write_into_an_unbatched_tensor_is_refused_before_the_rule():
     assert_same(ft.vmap(lambda x: x.clone().add_(torch.ones(4)))(X), X + 1)
 
 
-def test_a_rule_that_checks_its_own_writes_skips_the_generic_refusal():
-    # batch norm in eval mode writes nothing into its unbatched running stats
-    bn = torch.nn.BatchNorm1d(4).eval()
-    xs = torch.randn(3, 5, 4)
-    with ft.config.strict_fallback():
-        got = ft.vmap(bn)(xs)
-    assert_same(got, torch.stack([bn(x) for x in xs]))
+def test_a_rule_registered_with_checks_inplace_gets_the_write_the_guard_would_refuse():
+    """``checks_inplace=True`` hands the refusal of a batched write into an unbatched tensor
+    to the rule (batch norm's running stats); without the flag the guard refuses first."""
+    from functrans.batching import registry
+    lib = torch.library.Library("functrans_guards_test", "FRAGMENT")
+    lib.define("count_(Tensor(a!) counter, Tensor x) -> Tensor")
+
+    def count_(counter, x):
+        counter.add_(1)          # the same update whatever x holds
+        return x * 2
+    lib.impl("count_", count_, "CompositeExplicitAutograd")
+    op = torch.ops.functrans_guards_test.count_.default
+
+    def rule(info, in_dims, counter, x):   # one shared update, as eager's loop would not do
+        counter.add_(1)
+        return x * 2, in_dims[1]
+    try:
+        registry.register_batch_rule(op, rule)
+        with pytest.raises(InplaceIntoUnbatchedError, match="argument 0"):
+            ft.vmap(op, in_dims=(None, 0))(torch.zeros(()), X)
+        registry.register_batch_rule(op, rule, checks_inplace=True)
+        counter = torch.zeros(())
+        with ft.config.strict_fallback():
+            assert_same(ft.vmap(op, in_dims=(None, 0))(counter, X), X * 2)
+        assert counter.item() == 1
+    finally:
+        registry.unregister_batch_rule(op)
 
 
 def test_a_random_op_under_randomness_error_is_refused():

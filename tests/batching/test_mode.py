@@ -58,7 +58,7 @@ def test_metadata_queries_are_answered_from_the_wrappers_and_agree_with_the_rule
     def probe(x, y):
         for op in (aten.is_same_size.default, aten._has_same_storage_numel.default):
             for a, b in ((x, y), (y, x), (x, x)):
-                fast = mode._METADATA_QUERIES[id(op)](a, b)
+                fast = mode.METADATA_QUERIES[op](a, b)
                 ruled = dispatch_module.dispatch(op, (a, b), {})
                 assert fast is None or fast == ruled, (op, a.shape, b.shape)
                 seen.append(fast is not None)

@@ -49,7 +49,7 @@ from ..helpers import (ensure_bdim_front, logical_rank, move_bdim_to_front, norm
                        pad_to_rank, physical_dim)
 from ..op_schema import writes_self
 from .. import guards
-from ..batched_tensor import BatchedTensor
+from ..batched_tensor import BatchedTensor, innermost
 from ..registry import Decline, registrar
 
 aten = torch.ops.aten
@@ -455,18 +455,12 @@ def block_diag_rule(info, in_dims, tensors):
     return torch.cat(rows, 1), 0
 
 
-def _innermost(x):
-    while type(x) is BatchedTensor:
-        x = x.value
-    return x
-
-
 def _holds_only_its_examples(x) -> bool:
     """Whether the memory of ``x`` (for a lower level's wrapper: of its innermost physical
     tensor) holds its elements and nothing else: offset 0, non-overlapping and dense, and a
     storage exactly that large.  Then every element of the storage belongs to one example, so
     each example stands for a fresh tensor of its own (see the module docstring)."""
-    p = _innermost(x)
+    p = innermost(x)
     if p.layout is not torch.strided or p.storage_offset() != 0:
         return False
     if p.untyped_storage().nbytes() != p.numel() * p.element_size():
