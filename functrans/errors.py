@@ -75,6 +75,18 @@ class PerformanceWarning(UserWarning):
     """An op ran through the slow per-example loop fallback because it has no batching rule."""
 
 
+class CompileWarning(UserWarning):
+    """A ``functrans.compile``d function runs eagerly (or on another backend than asked), and
+    why: a branch on a tensor's value, an op whose output shape depends on the data, a Python
+    side effect a graph cannot replay.  Raised instead as ``UntraceableError`` with
+    ``strict=True``."""
+
+
+class UntraceableError(FunctransError):
+    """``functrans.compile(fn, strict=True)``: fn does something a graph cannot bake in (the
+    message names the op and the source line)."""
+
+
 def _func_name(func: Any) -> str:
     if isinstance(func, str):
         return func

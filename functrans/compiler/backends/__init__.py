@@ -1,0 +1,45 @@
+"""The backends a traced graph can run on.
+
+- ``"replay"`` (replay.py, the default): the cleaned graph as generated straight-line Python.
+- ``"inductor"`` (inductor.py): the graph functionalized and compiled by PyTorch's Inductor.
+- ``"cudagraphs"`` (cudagraphs.py): the replay captured in a CUDA graph (CUDA tensors only).
+
+``build(backend, trace, inputs)`` returns a callable from the list of argument tensors to the list
+of output tensors.  A backend that cannot take a graph raises ``BackendUnavailable`` with the
+reason; the compiled function then replays it and records why.
+
+Imports: compiler.passes, compiler.backends.replay, compiler.backends.inductor,
+compiler.backends.cudagraphs, compiler.tracer.
+"""
+from __future__ import annotations
+
+from typing import Callable, List
+
+import torch
+
+from .. import passes
+from ..tracer import Trace
+from . import cudagraphs, inductor, replay
+
+BACKENDS = ("replay", "inductor", "cudagraphs")
+
+
+class BackendUnavailable(Exception):
+    """This backend cannot run this graph (the reason is the message)."""
+
+
+def build(backend: str, trace: Trace, inputs: List[torch.Tensor]) -> Callable[[list], list]:
+    gm = trace.graph_module
+    if backend == "replay":
+        passes.clean(gm.graph, keep_autograd=trace.needs_autograd)
+        gm.recompile()
+        return replay.build(gm, keep_autograd=trace.needs_autograd)
+    if backend == "inductor":
+        passes.clean(gm.graph, keep_autograd=True)
+        gm.recompile()
+        return inductor.build(gm, inputs, BackendUnavailable)
+    if backend == "cudagraphs":
+        passes.clean(gm.graph, keep_autograd=trace.needs_autograd)
+        gm.recompile()
+        return cudagraphs.build(gm, inputs, trace.needs_autograd, BackendUnavailable)
+    raise AssertionError(backend)  # pragma: no cover - compile() checks the name

@@ -1,0 +1,80 @@
+"""The "inductor" backend: the traced graph made functional, then compiled by Inductor.
+
+Rules write in place into views (``fill_``, ``copy_`` into an ``as_strided`` slice), which
+Inductor cannot take directly, so the graph is first re-traced through functrans's own
+``functionalize(..., remove="mutations_and_views")``: a graph of out-of-place ops that writes
+mutated inputs back with ``copy_``.  Tensors the graph read from closures (``get_attr``
+constants) become inputs first, so their mutations are written back too and their current
+values are read at every call.  The re-trace runs on clones of the inputs with the random
+generators forked (it must not change anything the caller sees).  ``torch.compile(...,
+backend="inductor")`` then compiles that graph; with inputs that require grad AOTAutograd
+builds its backward.
+
+Imports: functionalization.
+"""
+from __future__ import annotations
+
+from typing import Callable, List
+
+import torch
+import torch.fx as fx
+
+
+def _lift_constants(gm: fx.GraphModule) -> tuple:
+    """A graph module taking the constants as trailing inputs, and the constant tensors."""
+    graph = gm.graph
+    constants = []
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = last_placeholder[-1] if last_placeholder else next(iter(graph.nodes))
+    by_target = {}
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if node.target not in by_target:
+            with graph.inserting_after(anchor) if last_placeholder else graph.inserting_before(anchor):
+                placeholder = graph.placeholder(f"constant_{len(constants)}")
+            anchor, last_placeholder = placeholder, [placeholder]
+            by_target[node.target] = placeholder
+            constants.append(value)
+        node.replace_all_uses_with(by_target[node.target])
+        graph.erase_node(node)
+    graph.lint()
+    return fx.GraphModule(gm, graph), constants
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        out.copy_(t)
+    return out.requires_grad_(t.requires_grad)
+
+
+def build(gm: fx.GraphModule, inputs: List[torch.Tensor], unavailable) -> Callable[[list], list]:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ...functionalization import functionalize
+
+    lifted, constants = _lift_constants(gm)
+    examples = [_clone(t) for t in list(inputs) + constants]
+    devices = sorted({t.device.index or 0 for t in examples if t.device.type == "cuda"})
+
+    def run_lifted(*tensors):
+        return lifted(*tensors)
+
+    try:
+        with torch.random.fork_rng(devices=devices):
+            functional = make_fx(functionalize(run_lifted, remove="mutations_and_views"))(
+                *examples)
+    except Exception as exc:
+        raise unavailable(f"functionalizing the graph failed: {type(exc).__name__}: {exc}") \
+            from exc
+    compiled = torch.compile(functional, backend="inductor", dynamic=False)
+
+    def run(tensors):
+        return compiled(*tensors, *constants)
+
+    run.graph_module = functional
+    return run

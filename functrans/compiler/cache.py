@@ -1,0 +1,157 @@
+"""The cache of traced graphs of one compiled function, and its counters.
+
+What this module owns
+- ``Entry``: one traced graph ready to run: the backend's callable, the output's structure, the
+  captured-state paths and the captured tensors' metadata it must re-check on every hit, and
+  what ``cache_info()`` reports of it (op count, trace time, backend, notes).
+- ``GraphCache``: entries keyed by ``guards.call_key``, least recently used evicted beyond
+  ``size``; hits, misses, calls that ran eagerly, retrace reasons and total trace time.  Lookups
+  take no lock (an ``OrderedDict`` read and ``move_to_end`` are atomic under the GIL); inserts
+  and counters of misses take one, so several threads may call one compiled function.
+
+Imports: compiler.guards.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+from .guards import Captured, tensor_meta
+
+
+class Entry:
+    __slots__ = ("key", "run", "captured", "constant_meta", "out_spec", "out_leaves",
+                 "out_positions", "single", "ops", "trace_seconds", "backend", "notes",
+                 "graph_module", "source", "symbolic")
+
+    def __init__(self, key, run, captured: Optional[Captured], constants: List[torch.Tensor],
+                 out_spec, out_leaves, out_positions, ops: int, trace_seconds: float,
+                 backend: str, graph_module, source: Optional[str], symbolic: bool = False):
+        self.key, self.run, self.captured = key, run, captured
+        if captured is not None and not captured.steps:
+            self.captured = None
+        self.constant_meta = [(t, tensor_meta(t)) for t in constants]
+        self.out_spec, self.out_leaves, self.out_positions = out_spec, out_leaves, out_positions
+        self.single = (len(out_leaves) == 1 and out_positions == [0]
+                       and out_spec == pytree.tree_flatten(torch.empty(0))[1])
+        self.ops, self.trace_seconds, self.backend = ops, trace_seconds, backend
+        self.notes: List[str] = []
+        self.graph_module, self.source, self.symbolic = graph_module, source, symbolic
+
+    def stale(self) -> Optional[str]:
+        """Why this entry no longer holds (None when it does)."""
+        if self.captured is not None:
+            changed = self.captured.check()
+            if changed is not None:
+                return changed
+        for t, meta in self.constant_meta:
+            if tensor_meta(t) != meta:
+                return "a captured tensor's shape, dtype, device or requires_grad changed"
+        return None
+
+    def outputs(self, results: list) -> Any:
+        if self.single:
+            return results[0]
+        leaves = list(self.out_leaves)
+        for pos, value in zip(self.out_positions, results):
+            leaves[pos] = value
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+@dataclass
+class EntryInfo:
+    backend: str
+    ops: int
+    trace_seconds: float
+    symbolic: bool
+    notes: List[str]
+
+
+@dataclass
+class CacheInfo:
+    """What ``compiled.cache_info()`` returns."""
+    entries: List[EntryInfo]
+    hits: int
+    misses: int
+    eager_calls: int
+    retrace_reasons: List[str]
+    trace_seconds: float
+    eager_reason: Optional[str] = None
+    eager_reasons: List[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.entries)} graph(s), {self.hits} hits, {self.misses} misses, "
+                 f"{self.eager_calls} eager calls, {self.trace_seconds:.3f} s tracing"]
+        for i, e in enumerate(self.entries):
+            lines.append(f"  entry {i}: {e.backend}, {e.ops} ops, traced in "
+                         f"{e.trace_seconds:.3f} s{', symbolic sizes' if e.symbolic else ''}"
+                         + "".join(f"; {n}" for n in e.notes))
+        lines += [f"  retraced: {r}" for r in self.retrace_reasons]
+        if self.eager_reason:
+            lines.append(f"  runs eagerly: {self.eager_reason}")
+        lines += [f"  a call ran eagerly: {r}" for r in self.eager_reasons]
+        return "\n".join(lines)
+
+
+_MAX_REASONS = 32
+
+
+class GraphCache:
+    def __init__(self, size: int):
+        self.size = size
+        self.entries: "OrderedDict[Any, Entry]" = OrderedDict()
+        self.lock = threading.Lock()
+        self.hits = self.misses = self.eager_calls = 0
+        self.trace_seconds = 0.0
+        self.retrace_reasons: List[str] = []
+        self.eager_reasons: List[str] = []
+
+    def get(self, key) -> Optional[Entry]:
+        entry = self.entries.get(key)
+        if entry is not None:
+            try:
+                self.entries.move_to_end(key)
+            except KeyError:   # evicted by another thread meanwhile
+                pass
+        return entry
+
+    def latest(self) -> Optional[Entry]:
+        with self.lock:
+            return next(reversed(self.entries.values()), None)
+
+    def put(self, entry: Entry) -> None:
+        with self.lock:
+            self.entries[entry.key] = entry
+            self.entries.move_to_end(entry.key)
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+
+    def note_miss(self, reason: Optional[str], seconds: float) -> None:
+        with self.lock:
+            self.misses += 1
+            self.trace_seconds += seconds
+            if reason is not None and len(self.retrace_reasons) < _MAX_REASONS:
+                self.retrace_reasons.append(reason)
+
+    def note_eager(self, reason: str) -> None:
+        with self.lock:
+            self.eager_calls += 1
+            if reason not in self.eager_reasons and len(self.eager_reasons) < _MAX_REASONS:
+                self.eager_reasons.append(reason)
+
+    def info(self, eager_reason: Optional[str]) -> CacheInfo:
+        with self.lock:
+            entries = [EntryInfo(e.backend, e.ops, e.trace_seconds, e.symbolic, list(e.notes))
+                       for e in self.entries.values()]
+            return CacheInfo(entries, self.hits, self.misses, self.eager_calls,
+                             list(self.retrace_reasons), self.trace_seconds, eager_reason,
+                             list(self.eager_reasons))
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()

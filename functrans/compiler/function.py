@@ -1,0 +1,226 @@
+"""``functrans.compile``: the compiled function and the path of one call through it.
+
+A call: ``guards.call_key`` (the key; arguments it cannot key on run eagerly) → ``GraphCache``
+lookup (a hit re-checks the entry's captured state, ``Entry.stale``) → the backend's callable on
+the argument tensors → the output pytree rebuilt.  A miss traces (``tracer.trace``; real mode:
+the trace is the eager call and its outputs are the answer), hands the graph to the backend
+(``backends.build``) and files the entry.
+
+Runs eagerly, with the reason recorded in ``cache_info()``: inside another functrans transform
+(a compiled function called under ``vmap``/``grad``/``jvp`` sees wrappers or levels a graph
+traced outside them does not know), inside the trace of another compiled function (its ops are
+recorded in that graph), under a forward-AD level the caller opened, on arguments
+``call_key`` cannot key.  A function that does something a graph cannot bake in
+(``Trace.untraceable``) runs eagerly from then on, after one ``CompileWarning`` naming the op
+and the line (``strict=True``: ``UntraceableError`` instead).
+
+Imports: _levels, errors, compiler.guards, compiler.cache, compiler.tracer, compiler.backends,
+compiler.passes.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import traceback
+import warnings
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from .. import _levels
+from ..errors import CompileWarning, TransformArgumentError, UntraceableError, transform_call
+from . import backends, passes, tracer
+from .cache import CacheInfo, Entry, GraphCache
+from .guards import Unguardable, call_key, describe_difference
+
+_TRACE_LOCK = threading.RLock()
+_all_compiled: "weakref.WeakSet[CompiledFunction]" = weakref.WeakSet()
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TRACER_DIRS = tuple(_TORCH_DIR + d + os.sep for d in ("fx", "_subclasses", "_dynamo",
+                                                        "_guards"))
+
+
+def _tracer_failure(exc: BaseException) -> bool:
+    """Whether an exception was raised by make_fx's own machinery (not by the function)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(_TRACER_DIRS)
+
+
+class CompiledFunction:
+    """``fn`` traced once per key into a graph and replayed; see ``functrans.compile``."""
+
+    def __init__(self, fn: Callable, backend: str, dynamic: Optional[bool], strict: bool,
+                 cache_size: int):
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self.backend = backend
+        self.dynamic = dynamic
+        self.strict = strict
+        self._cache = GraphCache(cache_size)
+        self._eager_reason: Optional[str] = None
+        _all_compiled.add(self)
+
+    # ---------------------------------------------------------------- the call
+    def __call__(self, *args, **kwargs):
+        if self._eager_reason is not None:
+            self._cache.eager_calls += 1
+            return self._fn(*args, **kwargs)
+        reason = self._eager_now()
+        if reason is None:
+            try:
+                key, tensors = call_key(args, kwargs)
+            except Unguardable as exc:
+                reason = f"an argument cannot be keyed on: {exc}"
+        if reason is not None:
+            self._cache.note_eager(reason)
+            return self._fn(*args, **kwargs)
+        entry = self._cache.get(key)
+        if entry is not None:
+            stale = entry.stale()
+            if stale is None:
+                self._cache.hits += 1
+                return entry.outputs(entry.run(tensors))
+            return self._miss(key, args, kwargs, tensors, stale)
+        latest = self._cache.latest()
+        why = None if latest is None else describe_difference(latest.key, key)
+        return self._miss(key, args, kwargs, tensors, why)
+
+    @staticmethod
+    def _eager_now() -> Optional[str]:
+        if tracer.tracing():
+            return "called while another compiled function is traced (recorded in its graph)"
+        if _levels.stack():
+            return "called inside a functrans transform"
+        if _levels.forward_ad_state() != "none":
+            return "called under a forward-AD dual level"
+        return None
+
+    # ---------------------------------------------------------------- a miss
+    def _miss(self, key, args, kwargs, tensors, why: Optional[str]):
+        with _TRACE_LOCK:
+            try:
+                trace = tracer.trace(self._fn, args, kwargs, tensors)
+            except Exception as exc:
+                if not _tracer_failure(exc):
+                    raise          # the function's own error: what an eager call raises
+                self._go_eager(f"tracing failed inside make_fx ({type(exc).__name__}: {exc})")
+                return self._fn(*args, **kwargs)
+        self._cache.note_miss(why, trace.seconds)
+        if trace.untraceable is not None:
+            self._go_eager(trace.untraceable)
+            return trace.outputs
+        entry = self._make_entry(key, trace, tensors)
+        self._cache.put(entry)
+        return trace.outputs
+
+    def _make_entry(self, key, trace: tracer.Trace, tensors) -> Entry:
+        backend = self.backend
+        notes = []
+        try:
+            run = backends.build(backend, trace, tensors)
+        except backends.BackendUnavailable as exc:
+            notes.append(f"{backend} unavailable ({exc}); replayed instead")
+            warnings.warn(f"{self._api()}: backend {backend!r} cannot run this graph: {exc}. "
+                          "It is replayed instead.", CompileWarning, stacklevel=4)
+            backend = "replay"
+            run = backends.build("replay", trace, tensors)
+        if backend == "inductor":
+            run = self._with_replay_fallback(run, trace, tensors, notes)
+        gm = trace.graph_module
+        constants = [c for c in trace.constants.values() if isinstance(c, torch.Tensor)]
+        entry = Entry(key, run, trace.captured, constants, trace.out_spec, trace.out_leaves,
+                      trace.out_tensor_positions, passes.count_ops(gm.graph), trace.seconds,
+                      backend, gm, getattr(run, "__source__", None))
+        entry.notes.extend(notes)
+        return entry
+
+    def _with_replay_fallback(self, run, trace, tensors, notes):
+        """Inductor compiles on its first run: if that fails (before any kernel ran), the
+        entry replays the graph from then on."""
+        state = {"run": run, "checked": False}
+        replay = backends.replay.build(trace.graph_module, keep_autograd=trace.needs_autograd)
+
+        def first_then(inputs):
+            if state["checked"]:
+                return state["run"](inputs)
+            try:
+                out = state["run"](inputs)
+            except Exception as exc:
+                notes.append(f"inductor failed ({type(exc).__name__}: {exc}); replayed instead")
+                warnings.warn(f"{self._api()}: inductor could not compile this graph "
+                              f"({type(exc).__name__}: {exc}); it is replayed instead.",
+                              CompileWarning, stacklevel=3)
+                state["run"] = replay
+                out = replay(inputs)
+            state["checked"] = True
+            return out
+
+        return first_then
+
+    def _go_eager(self, reason: str) -> None:
+        message = (f"{self._api()} runs eagerly: {reason}. A compiled graph must not bake in "
+                   "one answer for values it cannot see; move that step out of the compiled "
+                   "function, or keep it eager.")
+        if self.strict:
+            raise UntraceableError(message)
+        self._eager_reason = reason
+        warnings.warn(message, CompileWarning, stacklevel=4)
+
+    # ---------------------------------------------------------------- introspection
+    def _api(self) -> str:
+        return transform_call("compile", self._fn, backend=self.backend)
+
+    def cache_info(self) -> CacheInfo:
+        return self._cache.info(self._eager_reason)
+
+    def cache_clear(self) -> None:
+        self._cache.clear()
+
+    def entries(self):
+        return list(self._cache.entries.values())
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    def __repr__(self) -> str:
+        return f"<functrans.compile({getattr(self._fn, '__name__', self._fn)!r}, " \
+               f"backend={self.backend!r})>"
+
+
+def compile(fn: Optional[Callable] = None, *, backend: str = "replay",
+            dynamic: Optional[bool] = None, strict: bool = False, cache_size: int = 8):
+    """Trace ``fn`` (typically a transform stack: ``compile(vmap(grad(loss)))``) once per
+    argument signature into one graph of plain ATen ops, and replay it on later calls.
+
+    Same signature and results as ``fn``; see the README's "Compiled transforms".  Usable as
+    ``@compile`` or ``@compile(backend="inductor")``.
+    """
+    api = transform_call("compile", fn, backend=backend, dynamic=dynamic, strict=strict,
+                         cache_size=cache_size)
+    if backend not in backends.BACKENDS:
+        raise TransformArgumentError(
+            f"{api}: unknown backend {backend!r}; the backends are "
+            f"{', '.join(repr(b) for b in backends.BACKENDS)}.")
+    if dynamic not in (None, True, False):
+        raise TransformArgumentError(f"{api}: dynamic must be None, True or False, got "
+                                     f"{dynamic!r}.")
+    if not isinstance(strict, bool):
+        raise TransformArgumentError(f"{api}: strict must be True or False, got {strict!r}.")
+    if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
+        raise TransformArgumentError(f"{api}: cache_size must be a positive int, got "
+                                     f"{cache_size!r}.")
+    if fn is None:
+        return functools.partial(compile, backend=backend, dynamic=dynamic, strict=strict,
+                                 cache_size=cache_size)
+    if not callable(fn):
+        raise TransformArgumentError(f"{api}: expected a function to compile, got "
+                                     f"{type(fn).__name__}.")
+    return CompiledFunction(fn, backend, dynamic, strict, cache_size)
+
+
+def all_compiled():
+    return list(_all_compiled)

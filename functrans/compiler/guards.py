@@ -1,0 +1,304 @@
+"""The prologue of a compiled call: the key a cached graph is filed under, and the checks of what
+a graph read from outside its arguments.
+
+What this module owns
+- ``call_key(args, kwargs)``: one hashable key for everything a trace baked in from the call:
+  the pytree structure of the arguments, each tensor's shape, strides, dtype, device, layout and
+  requires_grad, the value (and type) of every non-tensor leaf, and the ambient state
+  (``ambient()``: grad mode, inference mode, default dtype, autocast on CPU and CUDA).  It also
+  returns the argument tensors in pytree order: the graph's inputs.  Flat tuples, lists and dicts
+  of tensors and Python scalars take a hand-written walk; anything else (namedtuples, custom
+  pytree nodes) goes through ``torch.utils._pytree``, which gives the same leaf order.
+- ``Captured``: the state a traced function reads without taking it as an argument — tensors in
+  closures, globals, module attributes and parameters (the graph reads them at call time, so
+  in-place updates are seen) and the Python scalars beside them (baked into the graph).
+  ``Captured.discover(fn)`` walks what ``fn`` can reach (closure cells, the globals its code
+  names, ``functools.partial``, bound methods, ``nn.Module`` attributes, containers) and records
+  the path to each object; ``check()`` re-reads every step of every path on each call, so
+  rebinding a name, swapping a module's parameter or changing a captured scalar is seen and
+  answered by a retrace, never by a stale graph.
+- ``describe_difference(old, new)``: why a key missed, in words, for ``cache_info()``.
+
+Imports: nothing (torch only).
+"""
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+
+_Tensor = torch.Tensor
+_SCALARS = (int, float, bool, str, type(None), complex, torch.dtype, torch.device,
+            torch.memory_format, torch.layout)
+
+
+class Unguardable(Exception):
+    """An argument a cached graph cannot be keyed on (an unhashable non-tensor leaf, a tensor
+    subclass, a sparse tensor): the call runs eagerly and the reason is recorded."""
+
+
+def ambient() -> tuple:
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            torch.get_default_dtype(), torch.is_autocast_enabled("cpu"),
+            torch.is_autocast_enabled("cuda"))
+
+
+def tensor_meta(t: torch.Tensor) -> tuple:
+    if t.layout is not torch.strided:
+        raise Unguardable(f"a tensor with layout {t.layout} (only strided tensors are traced)")
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _walk(obj: Any, tensors: List[torch.Tensor], sig: list) -> bool:
+    """Append obj's leaves to tensors/sig in pytree order; False where pytree must decide."""
+    cls = type(obj)
+    if cls is _Tensor or cls is torch.nn.Parameter:
+        tensors.append(obj)
+        sig.append(tensor_meta(obj))
+        return True
+    if cls is tuple or cls is list:
+        sig.append((cls, len(obj)))
+        for item in obj:
+            if not _walk(item, tensors, sig):
+                return False
+        return True
+    if cls is dict:
+        sig.append((dict, tuple(obj)))
+        for item in obj.values():
+            if not _walk(item, tensors, sig):
+                return False
+        return True
+    if cls in _SCALARS:
+        sig.append((cls, obj))
+        return True
+    return False
+
+
+def _leaf_sig(leaf: Any, tensors: List[torch.Tensor]) -> Any:
+    if isinstance(leaf, _Tensor):
+        if type(leaf) not in (_Tensor, torch.nn.Parameter):
+            raise Unguardable(f"a tensor of type {type(leaf).__name__} (a subclass: it runs "
+                              "eagerly)")
+        tensors.append(leaf)
+        return tensor_meta(leaf)
+    try:
+        hash(leaf)
+    except TypeError:
+        raise Unguardable(f"an argument of type {type(leaf).__name__}, which is not hashable "
+                          "(a graph is keyed on the value of every non-tensor argument)") from None
+    return (type(leaf), leaf)
+
+
+def call_key(args: tuple, kwargs: dict) -> Tuple[tuple, List[torch.Tensor]]:
+    """(key, argument tensors in pytree order).  Raises Unguardable."""
+    tensors: List[torch.Tensor] = []
+    sig: list = []
+    if _walk(args, tensors, sig) and (not kwargs or _walk(kwargs, tensors, sig)):
+        return (tuple(sig), ambient()), tensors
+    tensors = []
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    sig = [spec] + [_leaf_sig(leaf, tensors) for leaf in leaves]
+    return (tuple(sig), ambient()), tensors
+
+
+_AMBIENT_NAMES = ("grad mode", "inference mode", "default dtype", "CPU autocast", "CUDA autocast")
+
+
+def describe_difference(old: tuple, new: tuple) -> str:
+    """In words, the first thing that differs between two keys of ``call_key``."""
+    (osig, oamb), (nsig, namb) = old, new
+    for name, a, b in zip(_AMBIENT_NAMES, oamb, namb):
+        if a != b:
+            return f"{name} changed ({a} -> {b})"
+    if len(osig) != len(nsig):
+        return "the structure of the arguments changed"
+    tensor_i = -1
+    for a, b in zip(osig, nsig):
+        a_tensor = type(a) is tuple and len(a) == 5 and isinstance(a[0], torch.Size)
+        b_tensor = type(b) is tuple and len(b) == 5 and isinstance(b[0], torch.Size)
+        if a_tensor:
+            tensor_i += 1
+        if a == b:
+            continue
+        if a_tensor and b_tensor:
+            for what, x, y in zip(("shape", "strides", "dtype", "device", "requires_grad"), a, b):
+                if x != y:
+                    return (f"tensor argument {tensor_i}: {what} "
+                            f"{tuple(x) if isinstance(x, torch.Size) else x} -> "
+                            f"{tuple(y) if isinstance(y, torch.Size) else y}")
+        if a_tensor != b_tensor or type(a) is not tuple or len(a) != 2 or a[0] in (
+                tuple, list, dict):
+            return "the structure of the arguments changed"
+        return f"a non-tensor argument changed ({a[1]!r} -> {b[1]!r})"
+    return "the key differs"  # pragma: no cover - keys that differ differ somewhere
+
+
+# --------------------------------------------------------------------------------------------
+# Captured state: what a function reads without taking it as an argument.
+
+_MISSING = object()
+_CELL, _DICT, _ATTR, _SEQ = range(4)
+_MAX_OBJECTS = 4000
+_MAX_DEPTH = 8
+_GUARDED_VALUES = (int, float, bool, str, complex, type(None))
+
+
+def _read(kind: int, holder: Any, key: Any) -> Any:
+    try:
+        if kind == _CELL:
+            return holder.cell_contents
+        if kind == _DICT:
+            return holder.get(key, _MISSING)
+        if kind == _ATTR:
+            return getattr(holder, key, _MISSING)
+        return holder[key] if key < len(holder) else _MISSING
+    except ValueError:   # an empty cell
+        return _MISSING
+
+
+def _is_library_function(fn: Any) -> bool:
+    module = getattr(fn, "__module__", None) or ""
+    return module.split(".")[0] in ("torch", "functrans")
+
+
+def _code_names(code: types.CodeType) -> List[str]:
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.extend(_code_names(const))
+    return names
+
+
+class Captured:
+    """The paths from a function to the tensors and scalars it can reach (see the module doc).
+
+    ``steps``: (kind, holder, key, expected) — each read of a path, deduplicated; ``tensors``:
+    {id: (tensor, name)} for every tensor reached; ``scalars``: the number of guarded values."""
+
+    def __init__(self) -> None:
+        self.steps: List[tuple] = []
+        self.names: List[str] = []
+        self.tensors: Dict[int, Tuple[torch.Tensor, str]] = {}
+        self._seen_steps: set = set()
+
+    @classmethod
+    def discover(cls, fn: Any, guarded_tensors: Optional[set] = None) -> "Captured":
+        """Walk what fn reaches.  Paths are kept for every scalar, and for every tensor whose
+        id is in ``guarded_tensors`` (all tensors when None)."""
+        self = cls()
+        seen: set = set()
+        # (object, name, depth, path of steps leading to it)
+        stack: List[tuple] = [(fn, getattr(fn, "__name__", "fn"), 0, ())]
+        while stack and len(seen) < _MAX_OBJECTS:
+            obj, name, depth, path = stack.pop()
+            if isinstance(obj, _Tensor):
+                if id(obj) not in self.tensors:
+                    self.tensors[id(obj)] = (obj, name)
+                    if guarded_tensors is None or id(obj) in guarded_tensors:
+                        self._add_path(path, name)
+                continue
+            if isinstance(obj, _GUARDED_VALUES):
+                self._add_path(path, name)
+                continue
+            if id(obj) in seen or depth > _MAX_DEPTH:
+                continue
+            seen.add(id(obj))
+            for child in self._children(obj, name):
+                kind, holder, key, child_name, value = child
+                step = (kind, holder, key, value)
+                stack.append((value, child_name, depth + 1, path + (step,)))
+        return self
+
+    def _add_path(self, path: tuple, name: str) -> None:
+        for step in path:
+            ident = (step[0], id(step[1]), step[2])
+            if ident not in self._seen_steps:
+                self._seen_steps.add(ident)
+                self.steps.append(step)
+                self.names.append(name)
+
+    @staticmethod
+    def _children(obj: Any, name: str):
+        if isinstance(obj, (types.ModuleType, type)):
+            return
+        if isinstance(obj, types.FunctionType):
+            for var, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+                value = _read(_CELL, cell, None)
+                if value is not _MISSING:
+                    yield _CELL, cell, None, f"{var} (closure of {obj.__name__})", value
+            if not _is_library_function(obj):
+                g = obj.__globals__
+                for var in dict.fromkeys(_code_names(obj.__code__)):
+                    if var in g:
+                        yield _DICT, g, var, f"{var} (global of {obj.__name__})", g[var]
+            if obj.__dict__:
+                for var, value in obj.__dict__.items():
+                    yield _DICT, obj.__dict__, var, f"{name}.{var}", value
+            return
+        if isinstance(obj, types.MethodType):
+            yield _ATTR, obj, "__func__", name, obj.__func__
+            yield _ATTR, obj, "__self__", name, obj.__self__
+            return
+        if isinstance(obj, functools.partial):
+            yield _ATTR, obj, "func", name, obj.func
+            for i, value in enumerate(obj.args):
+                yield _SEQ, obj.args, i, f"{name} (argument {i})", value
+            for var, value in obj.keywords.items():
+                yield _DICT, obj.keywords, var, f"{name} (argument {var})", value
+            return
+        if isinstance(obj, (list, tuple)):
+            if len(obj) <= 256:
+                for i, value in enumerate(obj):
+                    yield _SEQ, obj, i, f"{name}[{i}]", value
+            return
+        if isinstance(obj, dict):
+            if len(obj) <= 256:
+                for key, value in list(obj.items()):
+                    if isinstance(key, (str, int)):
+                        yield _DICT, obj, key, f"{name}[{key!r}]", value
+            return
+        if isinstance(obj, torch.nn.Module):
+            d = obj.__dict__
+            for var, value in d.items():
+                if var in ("_parameters", "_buffers", "_modules"):
+                    for sub, v in value.items():
+                        if v is not None:
+                            yield _DICT, value, sub, f"{name}.{sub}", v
+                elif not var.startswith("_") or var == "_forward":
+                    yield _DICT, d, var, f"{name}.{var}", value
+            yield _ATTR, type(obj), "forward", f"{type(obj).__name__}.forward", type(obj).forward
+            return
+        if _is_library_function(type(obj)):
+            return      # torch's own objects (generators, streams, ...): never user state
+        d = getattr(obj, "__dict__", None)
+        if isinstance(d, dict):
+            for var, value in d.items():
+                yield _DICT, d, var, f"{name}.{var}", value
+            call = getattr(type(obj), "__call__", None)
+            if isinstance(call, types.FunctionType):
+                yield _ATTR, type(obj), "__call__", f"{type(obj).__name__}.__call__", call
+
+    def check(self) -> Optional[str]:
+        """None when every path still reads what the trace read; otherwise what changed."""
+        for kind, holder, key, expected in self.steps:
+            value = _read(kind, holder, key)
+            if value is expected:
+                continue
+            if isinstance(expected, _GUARDED_VALUES) and type(value) is type(expected) \
+                    and value == expected:
+                continue
+            return self._describe(kind, holder, key, expected, value)
+        return None
+
+    def _describe(self, kind, holder, key, expected, value) -> str:
+        name = next(n for s, n in zip(self.steps, self.names) if s[1] is holder and s[2] == key)
+        if isinstance(expected, _GUARDED_VALUES):
+            return f"captured value {name} changed ({expected!r} -> {value!r})"
+        return f"captured {name} was rebound to another object"
+
+    def name_of(self, tensor: torch.Tensor) -> Optional[str]:
+        found = self.tensors.get(id(tensor))
+        return found[1] if found is not None and found[0] is tensor else None

@@ -1,0 +1,192 @@
+"""Trace a function once into a graph of plain ATen ops.
+
+What this module owns
+- ``trace(fn, args, kwargs, tensors, symbolic=False)``: runs ``fn`` under ``make_fx``
+  (torch.fx.experimental.proxy_tensor).  functrans's engine is a Python ``__torch_dispatch__``
+  layer, so make_fx records what its rules emit: ordinary ATen ops on physical tensors, the whole
+  transform stack flattened into one graph.  In the default real mode the trace IS an eager call
+  (the ops run on the real tensors while they are recorded), so its outputs are the first call's
+  answer: nothing runs twice, side effects included.  With ``symbolic=True`` tensors are fake
+  with symbolic sizes (one graph for every batch size) and nothing runs.
+- what a graph must never bake in, found while tracing (``_Watcher``): a value read back into
+  Python (``.item()``, ``bool()``, ``.tolist()``, ``.numpy()``: a branch on data), an op whose
+  output shape depends on data (tags ``data_dependent_output`` / ``dynamic_output_shape``), and
+  Python-side effects the graph cannot replay (``Captured`` state rebound or new tensors stored in
+  it, ``.grad`` written by ``backward()``, tensors made with ``requires_grad=True`` inside).  Each
+  is reported once, with the op and the user's source line, as ``Trace.untraceable``.
+- ``tracing()``: whether this thread is inside a trace (a compiled function called inside
+  another's trace runs eagerly: its ops are recorded in the outer graph).
+
+Imports: compiler.guards.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .guards import Captured
+
+_tls = threading.local()
+_DATA_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+_READ_BACK = {torch.Tensor.tolist: ".tolist()", torch.Tensor.numpy: ".numpy()",
+              torch.Tensor.__array__: "numpy.asarray()"}
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.dirname(os.path.abspath(threading.__file__)) + os.sep)
+
+
+def tracing() -> bool:
+    return getattr(_tls, "depth", 0) > 0
+
+
+def user_line() -> str:
+    """'file:line (function)' of the innermost frame outside torch, functrans and the stdlib."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_LIBRARY_DIRS) and not filename.startswith("<frozen"):
+            return f"{filename}:{frame.f_lineno} (in {frame.f_code.co_name})"
+        frame = frame.f_back
+    return "an unknown line"
+
+
+class _Watcher:
+    """Records the first thing a graph must not bake in; lets the trace go on (in real mode the
+    trace is the first call's eager run, so it finishes and its answer is right)."""
+
+    def __init__(self) -> None:
+        self.first: Optional[str] = None
+        watcher = self
+
+        class Dispatch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if watcher.first is None and any(tag in func.tags for tag in _DATA_TAGS):
+                    what = ("reads a tensor's value into Python (.item(), bool(), an `if` on "
+                            "a tensor)" if func is torch.ops.aten._local_scalar_dense.default
+                            else "has an output whose shape or value depends on the data")
+                    watcher.first = f"{func} {what}, at {user_line()}"
+                return func(*args, **(kwargs or {}))
+
+        class Function(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                what = _READ_BACK.get(func)
+                if what is not None and watcher.first is None:
+                    watcher.first = f"{what} reads a tensor's values into Python, at {user_line()}"
+                return func(*args, **(kwargs or {}))
+
+        self._modes = (Function(), Dispatch())
+
+    def __enter__(self):
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        return False
+
+
+@dataclass
+class Trace:
+    graph_module: Optional[torch.fx.GraphModule]
+    out_spec: Any
+    out_leaves: List[Any]          # the output's leaves, None where a graph output goes
+    out_tensor_positions: List[int]
+    captured: Optional[Captured]
+    needs_autograd: bool
+    seconds: float
+    outputs: Any = None            # the first call's answer (real mode only)
+    untraceable: Optional[str] = None
+    constants: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _fn_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def trace(fn, args: tuple, kwargs: dict, tensors: List[torch.Tensor], *,
+          symbolic: bool = False) -> Trace:
+    """Trace ``fn(*args, **kwargs)``; ``tensors`` are the argument tensors in pytree order.
+    Exceptions from ``fn`` propagate (in real mode they are the eager call's own)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    start = time.perf_counter()
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    before = Captured.discover(fn)
+    reachable = [t for t, _ in before.tensors.values()] + list(tensors)
+    grads_before = {id(t): t.grad for t in reachable if t.requires_grad}
+    watcher = _Watcher()
+    box: Dict[str, Any] = {}
+
+    def flat(*traced):
+        new = list(leaves)
+        for pos, t in zip(positions, traced):
+            new[pos] = t
+        a, k = pytree.tree_unflatten(new, spec)
+        with watcher:
+            out = fn(*a, **k)
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        box["out"], box["spec"] = out, out_spec
+        box["leaves"] = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
+        box["positions"] = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
+        box["requires_grad"] = [x.requires_grad for x in out_leaves
+                                if isinstance(x, torch.Tensor)]
+        return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+
+    _tls.depth = getattr(_tls, "depth", 0) + 1
+    try:
+        if symbolic:
+            gm = make_fx(flat, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*tensors)
+        else:
+            gm = make_fx(flat, tracing_mode="real")(*tensors)
+    finally:
+        _tls.depth -= 1
+
+    constants = {node.target: getattr(gm, node.target) for node in gm.graph.nodes
+                 if node.op == "get_attr"}
+    constant_tensors = [c for c in constants.values() if isinstance(c, torch.Tensor)]
+    captured = Captured.discover(fn, guarded_tensors={id(c) for c in constant_tensors})
+    needs_autograd = torch.is_grad_enabled() and any(
+        t.requires_grad for t in list(tensors) + constant_tensors)
+
+    untraceable = watcher.first
+    if untraceable is None:
+        changed = before.check()
+        if changed is not None:
+            untraceable = (f"{_fn_name(fn)} changed Python state while it ran ({changed}); a "
+                           "graph replays tensor ops only")
+    if untraceable is None:
+        stored = [name for key, (t, name) in captured.tensors.items()
+                  if key not in before.tensors]
+        if stored:
+            untraceable = (f"{_fn_name(fn)} stored new tensors in Python state while it ran "
+                           f"({', '.join(stored[:3])}); a graph replays tensor ops only")
+    if untraceable is None:
+        written = [t for t in reachable if t.requires_grad and id(t) in grads_before
+                   and t.grad is not grads_before[id(t)]]
+        if written:
+            name = captured.name_of(written[0]) or before.name_of(written[0]) or "an argument"
+            untraceable = (f"{_fn_name(fn)} wrote the .grad of {name} (backward() or an "
+                           "optimizer); a graph cannot replay that: differentiate with "
+                           "functrans.grad / vjp inside the compiled function instead")
+    if untraceable is None and not symbolic and not needs_autograd and any(
+            box["requires_grad"]):
+        untraceable = (f"{_fn_name(fn)} returns a tensor that requires grad although no input "
+                       "does (requires_grad=True or requires_grad_() inside it); a graph "
+                       "cannot replay that")
+    return Trace(graph_module=gm, out_spec=box["spec"], out_leaves=box["leaves"],
+                 out_tensor_positions=box["positions"], captured=captured,
+                 needs_autograd=needs_autograd, seconds=time.perf_counter() - start,
+                 outputs=None if symbolic else box["out"], untraceable=untraceable,
+                 constants=constants)
