@@ -19,6 +19,8 @@ from typing import Callable, List
 import torch
 import torch.fx as fx
 
+from ...functionalization import functionalize
+
 
 def _lift_constants(gm: fx.GraphModule) -> tuple:
     """A graph module taking the constants as trailing inputs, and the constant tensors."""
@@ -54,8 +56,6 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
 
 def build(gm: fx.GraphModule, inputs: List[torch.Tensor], unavailable) -> Callable[[list], list]:
     from torch.fx.experimental.proxy_tensor import make_fx
-
-    from ...functionalization import functionalize
 
     lifted, constants = _lift_constants(gm)
     examples = [_clone(t) for t in list(inputs) + constants]

@@ -47,15 +47,24 @@ def _kind(value: Any) -> Any:
     return type(value).__name__
 
 
+_NO_META = object()
+
+
 def _as_meta(value: Any) -> Any:
+    """value with each node replaced by a meta tensor like it; _NO_META where one cannot be
+    made (no recorded metadata, or symbolic sizes)."""
     if isinstance(value, fx.Node):
         meta = value.meta.get("tensor_meta")
-        if meta is None:
-            raise LookupError
+        if meta is None or not all(type(d) is int for d in (*meta.shape, *meta.stride)):
+            return _NO_META
         return torch.empty_strided(tuple(meta.shape), tuple(meta.stride), dtype=meta.dtype,
                                    device="meta")
     if isinstance(value, (list, tuple)):
-        return type(value)(_as_meta(v) for v in value)
+        items = [_as_meta(v) for v in value]
+        return _NO_META if any(i is _NO_META for i in items) else type(value)(items)
+    if isinstance(value, dict):
+        items = {k: _as_meta(v) for k, v in value.items()}
+        return _NO_META if any(i is _NO_META for i in items.values()) else items
     return value
 
 
@@ -76,20 +85,19 @@ def entry_point(node: fx.Node) -> Callable:
     if key in _verified:
         return _verified[key] or op._op
     found = None
-    try:
-        args, kwargs = _as_meta(node.args), _as_meta(dict(node.kwargs))
-        for candidate in _candidates(op):
-            recorder = _Recorder()
-            try:
-                with recorder:
-                    candidate(*args, **kwargs)
-            except Exception:
-                continue
-            if recorder.ops == [op]:
-                found = candidate
-                break
-    except LookupError:
-        pass
+    args, kwargs = _as_meta(node.args), _as_meta(dict(node.kwargs))
+    if args is _NO_META or kwargs is _NO_META:
+        return op._op                 # nothing to check a candidate on: the op's own entry
+    for candidate in _candidates(op):
+        recorder = _Recorder()
+        try:
+            with recorder:
+                candidate(*args, **kwargs)
+        except Exception:
+            continue
+        if recorder.ops == [op]:
+            found = candidate
+            break
     _verified[key] = found
     return found or op._op
 
