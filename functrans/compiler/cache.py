@@ -27,7 +27,7 @@ from .guards import Captured, tensor_meta
 class Entry:
     __slots__ = ("key", "run", "captured", "constant_meta", "out_spec", "out_leaves",
                  "out_positions", "single", "ops", "trace_seconds", "backend", "notes",
-                 "graph_module", "source", "symbolic")
+                 "graph_module", "source", "symbolic", "shape_guard")
 
     def __init__(self, key, run, captured: Optional[Captured], constants: List[torch.Tensor],
                  out_spec, out_leaves, out_positions, ops: int, trace_seconds: float,
@@ -42,6 +42,7 @@ class Entry:
         self.ops, self.trace_seconds, self.backend = ops, trace_seconds, backend
         self.notes: List[str] = []
         self.graph_module, self.source, self.symbolic = graph_module, source, symbolic
+        self.shape_guard = None
 
     def stale(self) -> Optional[str]:
         """Why this entry no longer holds (None when it does)."""
@@ -124,10 +125,11 @@ class GraphCache:
         with self.lock:
             return next(reversed(self.entries.values()), None)
 
-    def put(self, entry: Entry) -> None:
+    def put(self, entry: Entry, key: Any = None) -> None:
+        key = entry.key if key is None else key
         with self.lock:
-            self.entries[entry.key] = entry
-            self.entries.move_to_end(entry.key)
+            self.entries[key] = entry
+            self.entries.move_to_end(key)
             while len(self.entries) > self.size:
                 self.entries.popitem(last=False)
 
@@ -147,7 +149,7 @@ class GraphCache:
     def info(self, eager_reason: Optional[str]) -> CacheInfo:
         with self.lock:
             entries = [EntryInfo(e.backend, e.ops, e.trace_seconds, e.symbolic, list(e.notes))
-                       for e in self.entries.values()]
+                       for e in self.entries.values() if not e.symbolic]
             return CacheInfo(entries, self.hits, self.misses, self.eager_calls,
                              list(self.retrace_reasons), self.trace_seconds, eager_reason,
                              list(self.eager_reasons))

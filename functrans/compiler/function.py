@@ -32,10 +32,11 @@ import torch
 from .. import _levels
 from ..errors import CompileWarning, TransformArgumentError, UntraceableError, transform_call
 from . import backends, passes, tracer
-from .cache import CacheInfo, Entry, GraphCache
-from .guards import Unguardable, call_key, describe_difference
+from .cache import CacheInfo, Entry, EntryInfo, GraphCache
+from .guards import Unguardable, call_key, describe_difference, dynamic_key, shape_guard
 
 _TRACE_LOCK = threading.RLock()
+_NO_GRAPH = object()
 _all_compiled: "weakref.WeakSet[CompiledFunction]" = weakref.WeakSet()
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TRACER_DIRS = tuple(_TORCH_DIR + d + os.sep for d in ("fx", "_subclasses", "_dynamo",
@@ -60,6 +61,9 @@ class CompiledFunction:
         self.strict = strict
         self._cache = GraphCache(cache_size)
         self._eager_reason: Optional[str] = None
+        # dynamic sizes: graphs traced with symbolic sizes, keyed by guards.dynamic_key
+        self._symbolic = dynamic is True and backend == "replay"
+        self._dynamic: dict = {}
         _all_compiled.add(self)
 
     # ---------------------------------------------------------------- the call
@@ -83,8 +87,21 @@ class CompiledFunction:
                 self._cache.hits += 1
                 return entry.outputs(entry.run(tensors))
             return self._miss(key, args, kwargs, tensors, stale)
+        if self._dynamic:
+            entry = self._dynamic_hit(key, tensors)
+            if entry is not None:
+                self._cache.hits += 1
+                self._cache.put(entry, key)   # this exact key finds it directly next time
+                return entry.outputs(entry.run(tensors))
         latest = self._cache.latest()
         why = None if latest is None else describe_difference(latest.key, key)
+        if (why is not None and self.dynamic is None and self.backend == "replay"
+                and ": shape " in why):
+            self._symbolic = True      # a second size: from now on, trace sizes symbolically
+        if self._symbolic:
+            out = self._symbolic_miss(key, args, kwargs, tensors, why)
+            if out is not _NO_GRAPH:
+                return out
         return self._miss(key, args, kwargs, tensors, why)
 
     @staticmethod
@@ -96,6 +113,36 @@ class CompiledFunction:
         if _levels.forward_ad_state() != "none":
             return "called under a forward-AD dual level"
         return None
+
+    # ---------------------------------------------------------------- dynamic sizes
+    def _dynamic_hit(self, key, tensors) -> Optional[Entry]:
+        for entry in self._dynamic.get(dynamic_key(key), ()):
+            if entry.shape_guard(tensors) and entry.stale() is None:
+                return entry
+        return None
+
+    def _symbolic_miss(self, key, args, kwargs, tensors, why):
+        """Trace with symbolic sizes (nothing runs), file the graph under the key without
+        sizes, and run it; _NO_GRAPH when that cannot be done (a static trace follows)."""
+        with _TRACE_LOCK:
+            try:
+                trace = tracer.trace(self._fn, args, kwargs, tensors, symbolic=True)
+                guard = shape_guard(trace.graph_module)
+            except Exception as exc:
+                self._symbolic_failure = f"{type(exc).__name__}: {str(exc)[:300]}"
+                self._symbolic = self.dynamic is True   # None: stay static from now on
+                return _NO_GRAPH
+        if trace.untraceable is not None:
+            self._symbolic_failure = trace.untraceable
+            return _NO_GRAPH
+        self._cache.note_miss(why, trace.seconds)
+        entry = self._make_entry(key, trace, tensors)
+        entry.symbolic = True
+        entry.shape_guard = guard
+        entries = self._dynamic.setdefault(dynamic_key(key), [])
+        entries.append(entry)
+        del entries[:-self._cache.size]
+        return entry.outputs(entry.run(tensors))
 
     # ---------------------------------------------------------------- a miss
     def _miss(self, key, args, kwargs, tensors, why: Optional[str]):
@@ -173,10 +220,19 @@ class CompiledFunction:
         return transform_call("compile", self._fn, backend=self.backend)
 
     def cache_info(self) -> CacheInfo:
-        return self._cache.info(self._eager_reason)
+        info = self._cache.info(self._eager_reason)
+        for entries in list(self._dynamic.values()):
+            info.entries += [EntryInfo(e.backend, e.ops, e.trace_seconds, True, list(e.notes))
+                             for e in entries]
+        failure = getattr(self, "_symbolic_failure", None)
+        if failure is not None:
+            info.eager_reasons.append(f"symbolic sizes not traceable ({failure}); "
+                                      "one graph per size")
+        return info
 
     def cache_clear(self) -> None:
         self._cache.clear()
+        self._dynamic.clear()
 
     def entries(self):
         return list(self._cache.entries.values())

@@ -104,6 +104,49 @@ def call_key(args: tuple, kwargs: dict) -> Tuple[tuple, List[torch.Tensor]]:
     return (tuple(sig), ambient()), tensors
 
 
+def dynamic_key(key: tuple) -> tuple:
+    """``key`` without sizes: each tensor's shape and strides become its rank and whether it is
+    contiguous (a graph traced with symbolic sizes is filed under this, and checks the sizes
+    with its ``shape_guard``)."""
+    sig, amb = key
+    out = []
+    for part in sig:
+        if type(part) is tuple and len(part) == 5 and isinstance(part[0], torch.Size):
+            shape, stride, dtype, device, rg = part
+            expected, acc = [], 1
+            for size in reversed(shape):
+                expected.append(acc)
+                acc *= max(size, 1)
+            contiguous = all(st == e or sz <= 1 for st, e, sz in
+                             zip(stride, reversed(expected), shape))
+            out.append(("sym", len(shape), contiguous, dtype, device, rg))
+        else:
+            out.append(part)
+    return tuple(out), amb
+
+
+def shape_guard(graph_module) -> Any:
+    """A function of the argument tensors: whether the sizes meet what the symbolic trace of
+    ``graph_module`` assumed (its ShapeEnv's guards, static ones included)."""
+    placeholders = [n.meta.get("val") for n in graph_module.graph.nodes if n.op == "placeholder"]
+    fake = next((p for p in placeholders if isinstance(p, torch.Tensor)), None)
+    shape_env = getattr(getattr(fake, "fake_mode", None), "shape_env", None)
+    if shape_env is None:
+        return lambda tensors: True
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+    code = shape_env.produce_guards_expression(placeholders, ignore_static=False)
+    if code is None:
+        return lambda tensors: True
+    compiled = compile(code, "<functrans shape guards>", "eval")
+    names = [f"t{i}" for i in range(len(placeholders))]
+
+    def check(tensors) -> bool:
+        return bool(eval(compiled, SYMPY_INTERP, {"L": dict(zip(names, tensors))}))
+
+    check.source = code
+    return check
+
+
 _AMBIENT_NAMES = ("grad mode", "inference mode", "default dtype", "CPU autocast", "CUDA autocast")
 
 
