@@ -538,8 +538,62 @@ def _dp_sgd_params():
         dist.destroy_process_group()
 
 
+@_checks("compile.fn", "compile.backend", "compile.dynamic", "compile.strict",
+         "compile.cache_size")
+def _compile_params():
+    def f(x, scale=1.0):
+        return functrans.vmap(lambda r: torch.tanh(r).sum())(x) * scale
+    x = _t(5, 3)
+    compiled = functrans.compile(f)
+    _close(compiled(x), f(x))
+    _close(compiled(x, 2.0), f(x, 2.0))
+    with pytest.raises(TransformArgumentError, match="expected a function"):
+        functrans.compile(3)
+    with pytest.raises(TransformArgumentError, match="'replay', 'inductor', 'cudagraphs'"):
+        functrans.compile(f, backend="nope")
+    if not torch.cuda.is_available():   # cudagraphs on CPU tensors: replayed, with the reason
+        with pytest.warns(functrans.CompileWarning, match="cudagraphs"):
+            out = functrans.compile(f, backend="cudagraphs")(x)
+        _close(out, f(x))
+    for dynamic, graphs in ((True, 1), (False, 3)):
+        c = functrans.compile(f, dynamic=dynamic)
+        for n in (5, 7, 9):
+            _close(c(_t(n, 3)), f(_t(n, 3)))
+        info = c.cache_info()
+        assert len(info.entries) == graphs and info.misses == graphs, info
+        assert all(e.symbolic == dynamic for e in info.entries)
+    with pytest.raises(TransformArgumentError, match="dynamic"):
+        functrans.compile(f, dynamic="yes")
+
+    def branch(x):
+        return x * 2 if x.sum() > 0 else x
+    with pytest.warns(functrans.CompileWarning, match="_local_scalar_dense"):
+        _close(functrans.compile(branch)(x), branch(x))
+    with pytest.raises(functrans.UntraceableError, match="test_public_api.py"):
+        functrans.compile(branch, strict=True)(x)
+    with pytest.raises(TransformArgumentError, match="strict"):
+        functrans.compile(f, strict=1)
+    small = functrans.compile(f, cache_size=1, dynamic=False)
+    for n in (2, 3, 2):
+        small(_t(n, 3))
+    assert len(small.cache_info().entries) == 1 and small.cache_info().misses == 3
+    with pytest.raises(TransformArgumentError, match="cache_size"):
+        functrans.compile(f, cache_size=0)
+
+
+@_checks("explain.fn", "explain.args", "explain.kwargs")
+def _explain_params():
+    def f(x, scale=1.0):
+        return torch.tanh(x) * scale
+    text = str(functrans.explain(f, _t(4, 3), scale=2.5))
+    assert "graph:" in text and "tanh" in text and "shape (4, 3)" in text
+    assert "2.5" in text                      # the keyword argument is a guarded value
+    assert "runs eagerly" in str(functrans.explain(lambda x: x.tolist(), _t(2)))
+
+
 @pytest.mark.parametrize("check", sorted(set(PARAMETER_CHECKS.values()),
                                          key=lambda f: f.__name__),
                          ids=lambda f: f.__name__.strip("_"))
 def test_public_parameter_check(check):
     check()
+

@@ -167,7 +167,10 @@ def generate(graph_module: fx.GraphModule) -> tuple:
             parts = [src.expr(a) for a in node.args]
             parts += [f"{k}={src.expr(v)}" for k, v in node.kwargs.items()
                       if k.isidentifier() and not keyword.iskeyword(k)]
-            call = f"{src.bind(fn, 'f')}({', '.join(parts)})"
+            label = str(node.target).replace("aten.", "", 1).split(".")[0] \
+                if isinstance(node.target, torch._ops.OpOverload) else "f"
+            label = label if label.isidentifier() and not keyword.iskeyword(label) else "f"
+            call = f"{src.bind(fn, label + '_')}({', '.join(parts)})"
         src.names[node] = name
         lines.append(f"    {name} = {call}")
         dead = [src.names[v] for v in frees.get(node, ()) if v.op == "call_function"]
