@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .guards import Captured
 
@@ -69,11 +69,17 @@ class _Watcher:
 
         class Dispatch(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if watcher.first is None and any(tag in func.tags for tag in _DATA_TAGS):
+                tags = func.tags
+                if watcher.first is None and any(tag in tags for tag in _DATA_TAGS):
                     what = ("reads a tensor's value into Python (.item(), bool(), an `if` on "
                             "a tensor)" if func is torch.ops.aten._local_scalar_dense.default
                             else "has an output whose shape or value depends on the data")
                     watcher.first = f"{func} {what}, at {user_line()}"
+                if torch.Tag.data_dependent_output in tags:
+                    # make_fx refuses to read a traced tensor's value; the graph is given up
+                    # already, so read it below the tracer and let the eager run finish
+                    with _disable_current_modes():
+                        return func(*args, **(kwargs or {}))
                 return func(*args, **(kwargs or {}))
 
         class Function(TorchFunctionMode):
