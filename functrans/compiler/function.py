@@ -28,6 +28,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import _levels
 from ..errors import CompileWarning, TransformArgumentError, UntraceableError, transform_call
@@ -36,11 +37,29 @@ from .cache import CacheInfo, Entry, EntryInfo, GraphCache
 from .guards import Unguardable, call_key, describe_difference, dynamic_key, shape_guard
 
 _TRACE_LOCK = threading.RLock()
-_NO_GRAPH = object()
 _all_compiled: "weakref.WeakSet[CompiledFunction]" = weakref.WeakSet()
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TRACER_DIRS = tuple(_TORCH_DIR + d + os.sep for d in ("fx", "_subclasses", "_dynamo",
                                                         "_guards"))
+
+
+def _mismatch(entry: Entry, tensors, answer) -> Optional[str]:
+    """None when ``entry`` run on copies of ``tensors`` gives ``answer``; else why not."""
+    copies = [t.detach().clone() for t in tensors]
+    with torch.no_grad():
+        got = entry.outputs(entry.run(copies))
+    expected_leaves, _ = pytree.tree_flatten(answer)
+    got_leaves, _ = pytree.tree_flatten(got)
+    if len(got_leaves) != len(expected_leaves):
+        return "the symbolic graph's outputs differ from the eager call's"
+    for a, b in zip(got_leaves, expected_leaves):
+        if isinstance(b, torch.Tensor):
+            if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype \
+                    or not torch.allclose(a, b.detach(), rtol=1e-5, atol=1e-6, equal_nan=True):
+                return "the symbolic graph's outputs differ from the eager call's"
+        elif a != b:
+            return "the symbolic graph's outputs differ from the eager call's"
+    return None
 
 
 def _tracer_failure(exc: BaseException) -> bool:
@@ -98,11 +117,10 @@ class CompiledFunction:
         if (why is not None and self.dynamic is None and self.backend == "replay"
                 and ": shape " in why):
             self._symbolic = True      # a second size: from now on, trace sizes symbolically
-        if self._symbolic:
-            out = self._symbolic_miss(key, args, kwargs, tensors, why)
-            if out is not _NO_GRAPH:
-                return out
-        return self._miss(key, args, kwargs, tensors, why)
+        out = self._miss(key, args, kwargs, tensors, why)
+        if self._symbolic and self._eager_reason is None:
+            self._add_symbolic(key, args, kwargs, tensors, out)
+        return out
 
     @staticmethod
     def _eager_now() -> Optional[str]:
@@ -121,28 +139,33 @@ class CompiledFunction:
                 return entry
         return None
 
-    def _symbolic_miss(self, key, args, kwargs, tensors, why):
-        """Trace with symbolic sizes (nothing runs), file the graph under the key without
-        sizes, and run it; _NO_GRAPH when that cannot be done (a static trace follows)."""
-        with _TRACE_LOCK:
+    def _add_symbolic(self, key, args, kwargs, tensors, answer) -> None:
+        """After a static miss (whose real trace gave ``answer``): trace again with symbolic
+        sizes (nothing runs), check that graph against ``answer`` on copies of the arguments,
+        and file it under the key without sizes.  Fake tensors can get strides the real kernels
+        do not produce, which bakes a wrong view into a symbolic graph, so a graph that does not
+        reproduce the eager answer here is never used.  Graphs that write into arguments or
+        captured tensors, or draw random numbers, cannot be checked that way: they stay static."""
+        with _TRACE_LOCK, torch._C._PreserveDispatchKeyGuard():
             try:
                 trace = tracer.trace(self._fn, args, kwargs, tensors, symbolic=True)
-                guard = shape_guard(trace.graph_module)
+                refusal = trace.untraceable or passes.unreplayable_twice(trace.graph_module)
+                if refusal is None:
+                    guard = shape_guard(trace.graph_module)
+                    entry = self._make_entry(key, trace, tensors)
+                    refusal = _mismatch(entry, tensors, answer)
             except Exception as exc:
-                self._symbolic_failure = f"{type(exc).__name__}: {str(exc)[:300]}"
-                self._symbolic = self.dynamic is True   # None: stay static from now on
-                return _NO_GRAPH
-        if trace.untraceable is not None:
-            self._symbolic_failure = trace.untraceable
-            return _NO_GRAPH
-        self._cache.note_miss(why, trace.seconds)
-        entry = self._make_entry(key, trace, tensors)
+                refusal = f"{type(exc).__name__}: {str(exc)[:300]}"
+        if refusal is not None:
+            self._symbolic_failure = refusal
+            self._symbolic = False       # one graph per size from now on
+            return
+        self._cache.trace_seconds += trace.seconds
         entry.symbolic = True
         entry.shape_guard = guard
         entries = self._dynamic.setdefault(dynamic_key(key), [])
         entries.append(entry)
         del entries[:-self._cache.size]
-        return entry.outputs(entry.run(tensors))
 
     # ---------------------------------------------------------------- a miss
     def _miss(self, key, args, kwargs, tensors, why: Optional[str]):
