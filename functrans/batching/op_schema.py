@@ -6,7 +6,8 @@ One copy each of the facts several modules need:
   ``OpOverload``;
 * ``written_arguments(op)``: which arguments the op writes (from the schema's alias info);
 * ``decomposes_above_dispatch(op)``: CompositeImplicitAutograd ops, which never reach
-  ``__torch_dispatch__`` as themselves;
+  ``__torch_dispatch__`` as themselves (an op outside the dispatcher, ``prim.device``, is not
+  one);
 * ``all_overloads()``: every overload of a namespace the C++ dispatcher knows.
 
 The listing comes from the dispatcher's registry of op names
@@ -67,9 +68,14 @@ def writes_self(op: torch._ops.OpOverload) -> bool:
 
 
 def decomposes_above_dispatch(op: torch._ops.OpOverload) -> bool:
-    """True for CompositeImplicitAutograd ops: they never reach ``__torch_dispatch__``."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(
-        op.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+    """True for CompositeImplicitAutograd ops: they never reach ``__torch_dispatch__``.
+
+    False for an op the C++ dispatcher does not know: ``prim.device`` reaches a dispatch mode
+    when a tensor's device is read through Python (a ``FakeTensor`` under ``make_fx``'s fake
+    and symbolic modes); asked about such an op, the kernel query raises."""
+    return torch._C._dispatch_has_kernel(op.name()) and \
+        torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 def all_overloads(namespace: str = "aten") -> List[torch._ops.OpOverload]:
