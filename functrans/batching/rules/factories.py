@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..batched_tensor import BatchedTensor
 from ..helpers import ensure_bdim_front, keep_bdim_rule, move_bdim_to_front, pad_to_rank
 from ..registry import Decline, registrar
 
@@ -132,13 +133,48 @@ for _name in ("Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor"):
     register_batch_rule(getattr(torch.ops.aten.logspace, _name), _space_rule(True))
 
 
-@register_batch_rule(torch.ops.aten._new_zeros_with_same_feature_meta.default)
+def _symbolic(t: torch.Tensor) -> bool:
+    """Whether ``t``'s sizes, strides or storage offset are traced as SymInts."""
+    if any(isinstance(s, torch.SymInt) for s in t.shape):
+        return True
+    return t.layout is torch.strided and (
+        isinstance(t.storage_offset(), torch.SymInt)
+        or any(isinstance(s, torch.SymInt) for s in t.stride()))
+
+
+def _new_zeros_with_same_feature_meta(self, other, *, self_num_batch_dims=0):
+    """ATen's ``_new_zeros_with_same_feature_meta``; on plain tensors with symbolic sizes, its
+    formula in Python: the ATen kernel reads ``other``'s storage offset as an int, which
+    raises for sizes traced as SymInts (``make_fx(..., tracing_mode="symbolic")``).  A wrapper
+    of an outer level goes to the ATen op, so that level's rule sees its physical values."""
+    if type(self) is BatchedTensor or type(other) is BatchedTensor or \
+            other.layout is not torch.strided or not (_symbolic(self) or _symbolic(other)):
+        return aten._new_zeros_with_same_feature_meta.default(
+            self, other, self_num_batch_dims=self_num_batch_dims)
+    # ``self``'s batch dims go in front, one slice laid out like ``other`` after another.  A
+    # slice spans ``other``'s extent, where ATen's kernel spans ``other``'s whole storage
+    # (``untyped_storage().nbytes()``): a fake tensor's storage size is a SymInt make_fx never
+    # traced, and rebuilt from its formula it loses factors (PyTorch 2.13 rebuilds a product
+    # of three symbols wrongly), so the graph allocated too little memory at replay.  A slice
+    # smaller than ``other``'s storage costs forward AD at most a copy (``has_same_meta``).
+    storage_numel = other.storage_offset() + (1 + sum(
+        (n - 1) * st for n, st in zip(other.shape, other.stride())) if other.numel() else 0)
+    sizes = list(self.shape[:self_num_batch_dims]) + list(other.shape)
+    strides = list(other.stride())
+    total = storage_numel
+    for size in reversed(self.shape[:self_num_batch_dims]):
+        strides.insert(0, total)
+        total = total * size
+    return other.new_zeros(total).as_strided(sizes, strides, other.storage_offset())
+
+
+@register_batch_rule(aten._new_zeros_with_same_feature_meta.default)
 def new_zeros_with_same_feature_meta_rule(info, in_dims, self, other, *,
                                           self_num_batch_dims=0):
     """Forward AD's tangent buffer: zeros shaped like ``self``'s leading dims + ``other``'s
     (feature) dims, laid out like ``other``.  The vmap batch is one more leading batch dim of
     ``self``; a batched ``other`` carries its batch inside its own layout."""
-    op = torch.ops.aten._new_zeros_with_same_feature_meta.default
+    op = _new_zeros_with_same_feature_meta
     if in_dims[1] is not None:
         # Laid out like ``other``'s physical value (its batch dim kept where it is), so each
         # example's strides and storage offset are ``other``'s: forward AD compares them
