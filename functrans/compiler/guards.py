@@ -5,7 +5,8 @@ What this module owns
 - ``call_key(args, kwargs)``: one hashable key for everything a trace baked in from the call:
   the pytree structure of the arguments, each tensor's shape, strides, dtype, device, layout and
   requires_grad, the value (and type) of every non-tensor leaf, and the ambient state
-  (``ambient()``: grad mode, inference mode, default dtype, autocast on CPU and CUDA).  It also
+  (``ambient()``: grad mode, inference mode, default dtype, autocast on CPU and CUDA with the
+  dtype it casts to).  It also
   returns the argument tensors in pytree order: the graph's inputs.  Flat tuples, lists and dicts
   of tensors and Python scalars take a hand-written walk; anything else (namedtuples, custom
   pytree nodes) goes through ``torch.utils._pytree``, which gives the same leaf order.
@@ -40,10 +41,21 @@ class Unguardable(Exception):
     subclass, a sparse tensor): the call runs eagerly and the reason is recorded."""
 
 
+if hasattr(torch, "get_autocast_dtype"):
+    _autocast_dtype = torch.get_autocast_dtype
+else:  # pragma: no cover - older torch
+    def _autocast_dtype(device_type: str) -> torch.dtype:
+        return (torch.get_autocast_cpu_dtype() if device_type == "cpu"
+                else torch.get_autocast_gpu_dtype())
+
+
 def ambient() -> tuple:
+    """Grad mode, inference mode, default dtype, and for CPU and CUDA autocast False when off,
+    else the dtype it casts to (a graph traced under bfloat16 autocast bakes in bfloat16)."""
+    cpu = torch.is_autocast_enabled("cpu") and _autocast_dtype("cpu")
+    cuda = torch.is_autocast_enabled("cuda") and _autocast_dtype("cuda")
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-            torch.get_default_dtype(), torch.is_autocast_enabled("cpu"),
-            torch.is_autocast_enabled("cuda"))
+            torch.get_default_dtype(), cpu, cuda)
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:
@@ -104,15 +116,16 @@ def call_key(args: tuple, kwargs: dict) -> Tuple[tuple, List[torch.Tensor]]:
     return (tuple(sig), ambient()), tensors
 
 
-_AMBIENT_NAMES = ("grad mode", "inference mode", "default dtype", "CPU autocast", "CUDA autocast")
+AMBIENT_NAMES = ("grad mode", "inference mode", "default dtype", "CPU autocast", "CUDA autocast")
 
 
 def describe_difference(old: tuple, new: tuple) -> str:
     """In words, the first thing that differs between two keys of ``call_key``."""
     (osig, oamb), (nsig, namb) = old, new
-    for name, a, b in zip(_AMBIENT_NAMES, oamb, namb):
-        if a != b:
-            return f"{name} changed ({a} -> {b})"
+    ambient_changes = [f"{name} changed ({a} -> {b})"
+                       for name, a, b in zip(AMBIENT_NAMES, oamb, namb) if a != b]
+    if ambient_changes:     # all of them: inference mode also turns grad mode off
+        return ", ".join(ambient_changes)
     if len(osig) != len(nsig):
         return "the structure of the arguments changed"
     tensor_i = -1

@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 import torch
 
 from .function import CompiledFunction, all_compiled, compile
-from .guards import ambient, call_key
+from .guards import AMBIENT_NAMES, ambient, call_key
 
 
 @dataclass
@@ -79,7 +79,7 @@ def _describe_key(key) -> List[str]:
             out.append(f"value {part[1]!r} ({part[0].__name__})")
         else:
             out.append(f"structure {part}")
-    names = ("grad mode", "inference mode", "default dtype", "CPU autocast", "CUDA autocast")
+    names = AMBIENT_NAMES
     out += [f"{n}: {v}" for n, v in zip(names, amb)]
     return out
 
