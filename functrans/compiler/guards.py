@@ -18,6 +18,8 @@ What this module owns
   the path to each object; ``check()`` re-reads every step of every path on each call, so
   rebinding a name, swapping a module's parameter or changing a captured scalar is seen and
   answered by a retrace, never by a stale graph.
+- ``object_arguments(args, kwargs)``: the argument leaves that are neither tensors nor plain
+  values (objects, modules, functions), whose attributes a trace may read like captured state.
 - ``describe_difference(old, new)``: why a key missed, in words, for ``cache_info()``.
 
 Imports: nothing (torch only).
@@ -116,6 +118,11 @@ def call_key(args: tuple, kwargs: dict) -> Tuple[tuple, List[torch.Tensor]]:
     return (tuple(sig), ambient()), tensors
 
 
+def object_arguments(args: tuple, kwargs: dict) -> tuple:
+    return tuple(leaf for leaf in pytree.tree_leaves((args, kwargs))
+                 if not isinstance(leaf, _Tensor) and type(leaf) not in _SCALARS)
+
+
 AMBIENT_NAMES = ("grad mode", "inference mode", "default dtype", "CPU autocast", "CUDA autocast")
 
 
@@ -198,13 +205,18 @@ class Captured:
         self._seen_steps: set = set()
 
     @classmethod
-    def discover(cls, fn: Any, guarded_tensors: Optional[set] = None) -> "Captured":
-        """Walk what fn reaches.  Paths are kept for every scalar, and for every tensor whose
-        id is in ``guarded_tensors`` (all tensors when None)."""
+    def discover(cls, fn: Any, guarded_tensors: Optional[set] = None,
+                 arguments: tuple = ()) -> "Captured":
+        """Walk what fn reaches, and what the object ``arguments`` reach (a method's ``self``,
+        a module passed in: the key holds them by identity, their attributes are read here).
+        Paths are kept for every scalar, and for every tensor whose id is in
+        ``guarded_tensors`` (all tensors when None)."""
         self = cls()
         seen: set = set()
         # (object, name, depth, path of steps leading to it)
         stack: List[tuple] = [(fn, getattr(fn, "__name__", "fn"), 0, ())]
+        stack += [(arg, f"argument {type(arg).__name__}", 1, ((_SEQ, arguments, i, arg),))
+                  for i, arg in enumerate(arguments)]
         while stack and len(seen) < _MAX_OBJECTS:
             obj, name, depth, path = stack.pop()
             if isinstance(obj, _Tensor):
