@@ -554,3 +554,51 @@ def test_compiled_method():
     with torch.no_grad():
         b.w.mul_(3)                                       # updated in place
     torch.testing.assert_close(b.apply(x), x * b.w)
+
+
+def test_captured_tensor_requires_grad_flip_retraces():
+    w = torch.randn(3)
+    compiled = functrans.compile(lambda x: (x * w).sum())
+    x = torch.randn(3)
+    assert not compiled(x).requires_grad
+    w.requires_grad_()
+    out = compiled(x)
+    assert out.requires_grad
+    out.backward()
+    torch.testing.assert_close(w.grad, torch.func.grad(lambda w: (x * w).sum())(w.detach()))
+    reasons = compiled.cache_info().retrace_reasons
+    assert len(reasons) == 1 and "requires_grad" in reasons[0], reasons
+
+
+_calls = 0
+
+
+def test_python_side_effects_run_once_per_call():
+    log = []
+
+    def f(x):
+        global _calls
+        _calls += 1
+        log.append(x.sum())
+        return x * 2
+    compiled = functrans.compile(f)
+    x = torch.randn(3)
+    start = _calls
+    with pytest.warns(CompileWarning, match="_calls"):
+        torch.testing.assert_close(compiled(x), x * 2)
+    torch.testing.assert_close(compiled(x), x * 2)
+    assert _calls - start == 2 and len(log) == 2
+    assert compiled.cache_info().eager_calls == 1
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.view(-1), lambda x: x.t(), lambda x: x,
+                                lambda x: x[0]])
+def test_outputs_alias_inputs_as_in_eager(fn):
+    compiled = functrans.compile(fn)
+    for _ in range(2):                        # the trace, then the replay
+        x = torch.zeros(2, 3)
+        out = compiled(x)
+        expected = fn(torch.zeros(2, 3))
+        assert out.shape == expected.shape and out.stride() == expected.stride()
+        out.add_(1)
+        assert x.sum().item() == out.numel()  # written through the view into x
