@@ -170,7 +170,8 @@ class GraphCache:
     def note_eager(self, reason: Optional[str]) -> None:
         with self.lock:
             self.eager_calls += 1
-            if reason is not None and reason not in self.eager_reasons and len(self.eager_reasons) < _MAX_REASONS:
+            if reason is not None and reason not in self.eager_reasons \
+                    and len(self.eager_reasons) < _MAX_REASONS:
                 self.eager_reasons.append(reason)
 
     def info(self, eager_reason: Optional[str]) -> CacheInfo:

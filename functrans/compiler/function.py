@@ -2,7 +2,8 @@
 
 A call: ``guards.call_key`` (the key; arguments it cannot key on run eagerly) → ``GraphCache``
 lookup (a hit re-checks the entry's captured state, ``Entry.stale``, variant by variant) → the
-backend's callable on the argument tensors → the output pytree rebuilt.  A miss traces (``tracer.trace``; real mode:
+backend's callable on the argument tensors → the output pytree rebuilt.  A miss (under one lock:
+a thread that waited on it finds the entry another filed) traces (``tracer.trace``; real mode:
 the trace is the eager call and its outputs are the answer), hands the graph to the backend
 (``backends.build``) and files the entry.
 
