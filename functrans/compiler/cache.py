@@ -4,10 +4,11 @@ What this module owns
 - ``Entry``: one traced graph ready to run: the backend's callable, the output's structure, the
   captured-state paths and the captured tensors' metadata it must re-check on every hit, and
   what ``cache_info()`` reports of it (op count, trace time, backend, notes).
-- ``GraphCache``: entries keyed by ``guards.call_key``, least recently used evicted beyond
-  ``size``; hits, misses, calls that ran eagerly, retrace reasons and total trace time.  Lookups
-  take no lock (an ``OrderedDict`` read and ``move_to_end`` are atomic under the GIL); inserts
-  and counters of misses take one, so several threads may call one compiled function.
+- ``GraphCache``: entries keyed by ``guards.call_key`` (several variants per key, traced with
+  different captured state), least recently used evicted beyond ``size``; hits, misses, calls
+  that ran eagerly, retrace reasons and total trace time.  Lookups take no lock (an
+  ``OrderedDict`` read and ``move_to_end`` are atomic under the GIL); inserts and counters
+  take one, so several threads may call one compiled function.
 
 Imports: compiler.guards.
 """
@@ -103,35 +104,63 @@ _MAX_REASONS = 32
 
 
 class GraphCache:
+    """Entries filed by key; one key may hold several variants (newest last), which differ in
+    the captured state they were traced with (``model.train()`` / ``model.eval()``, a captured
+    scalar toggled between values): a variant whose captured state holds again is reused, not
+    retraced.  ``size`` bounds the number of entries over all keys."""
+
     def __init__(self, size: int):
         self.size = size
-        self.entries: "OrderedDict[Any, Entry]" = OrderedDict()
+        self.entries: "OrderedDict[Any, tuple]" = OrderedDict()   # key -> (Entry, ...)
         self.lock = threading.Lock()
         self.hits = self.misses = self.eager_calls = 0
         self.trace_seconds = 0.0
         self.retrace_reasons: List[str] = []
         self.eager_reasons: List[str] = []
 
-    def get(self, key) -> Optional[Entry]:
-        entry = self.entries.get(key)
-        if entry is not None:
-            try:
-                self.entries.move_to_end(key)
-            except KeyError:   # evicted by another thread meanwhile
-                pass
-        return entry
+    def lookup(self, key) -> "tuple[Optional[Entry], Optional[str]]":
+        """(an entry for key whose captured state holds, None), counted as a hit, or (None, why
+        the newest variant filed under key no longer holds; None when there is none)."""
+        variants = self.entries.get(key)
+        if not variants:
+            return None, None
+        try:
+            self.entries.move_to_end(key)
+        except KeyError:   # evicted by another thread meanwhile
+            pass
+        why = None
+        for entry in reversed(variants):
+            stale = entry.stale()
+            if stale is None:
+                with self.lock:         # counted under the lock: threads lose no hits
+                    self.hits += 1
+                return entry, None
+            if why is None:
+                why = stale
+        return None, why
+
+    def all_entries(self) -> List[Entry]:
+        with self.lock:
+            return [e for variants in self.entries.values() for e in variants]
 
     def latest(self) -> Optional[Entry]:
         with self.lock:
-            return next(reversed(self.entries.values()), None)
+            variants = next(reversed(self.entries.values()), ())
+            return variants[-1] if variants else None
 
     def put(self, entry: Entry, key: Any = None) -> None:
         key = entry.key if key is None else key
         with self.lock:
-            self.entries[key] = entry
+            self.entries[key] = self.entries.get(key, ()) + (entry,)
             self.entries.move_to_end(key)
-            while len(self.entries) > self.size:
-                self.entries.popitem(last=False)
+            count = sum(len(v) for v in self.entries.values())
+            while count > self.size:
+                oldest, variants = next(iter(self.entries.items()))
+                if len(variants) > 1:
+                    self.entries[oldest] = variants[1:]
+                else:
+                    del self.entries[oldest]
+                count -= 1
 
     def note_miss(self, reason: Optional[str], seconds: float) -> None:
         with self.lock:
@@ -140,16 +169,18 @@ class GraphCache:
             if reason is not None and len(self.retrace_reasons) < _MAX_REASONS:
                 self.retrace_reasons.append(reason)
 
-    def note_eager(self, reason: str) -> None:
+    def note_eager(self, reason: Optional[str]) -> None:
         with self.lock:
             self.eager_calls += 1
-            if reason not in self.eager_reasons and len(self.eager_reasons) < _MAX_REASONS:
+            if reason is not None and reason not in self.eager_reasons \
+                    and len(self.eager_reasons) < _MAX_REASONS:
                 self.eager_reasons.append(reason)
 
     def info(self, eager_reason: Optional[str]) -> CacheInfo:
         with self.lock:
             entries = [EntryInfo(e.backend, e.ops, e.trace_seconds, e.symbolic, list(e.notes))
-                       for e in self.entries.values() if not e.symbolic]
+                       for variants in self.entries.values() for e in variants
+                       if not e.symbolic]
             return CacheInfo(entries, self.hits, self.misses, self.eager_calls,
                              list(self.retrace_reasons), self.trace_seconds, eager_reason,
                              list(self.eager_reasons))

@@ -1,8 +1,9 @@
 """``functrans.compile``: the compiled function and the path of one call through it.
 
 A call: ``guards.call_key`` (the key; arguments it cannot key on run eagerly) → ``GraphCache``
-lookup (a hit re-checks the entry's captured state, ``Entry.stale``) → the backend's callable on
-the argument tensors → the output pytree rebuilt.  A miss traces (``tracer.trace``; real mode:
+lookup (a hit re-checks the entry's captured state, ``Entry.stale``, variant by variant) → the
+backend's callable on the argument tensors → the output pytree rebuilt.  A miss (under one lock:
+a thread that waited on it finds the entry another filed) traces (``tracer.trace``; real mode:
 the trace is the eager call and its outputs are the answer), hands the graph to the backend
 (``backends.build``) and files the entry.
 
@@ -88,7 +89,7 @@ class CompiledFunction:
     # ---------------------------------------------------------------- the call
     def __call__(self, *args, **kwargs):
         if self._eager_reason is not None:
-            self._cache.eager_calls += 1
+            self._cache.note_eager(None)
             return self._fn(*args, **kwargs)
         reason = self._eager_now()
         if reason is None:
@@ -99,12 +100,10 @@ class CompiledFunction:
         if reason is not None:
             self._cache.note_eager(reason)
             return self._fn(*args, **kwargs)
-        entry = self._cache.get(key)
+        entry, stale = self._cache.lookup(key)
         if entry is not None:
-            stale = entry.stale()
-            if stale is None:
-                self._cache.hits += 1
-                return entry.outputs(entry.run(tensors))
+            return entry.outputs(entry.run(tensors))
+        if stale is not None:
             return self._miss(key, args, kwargs, tensors, stale)
         if self._dynamic:
             entry = self._dynamic_hit(key, tensors)
@@ -147,6 +146,8 @@ class CompiledFunction:
         reproduce the eager answer here is never used.  Graphs that write into arguments or
         captured tensors, or draw random numbers, cannot be checked that way: they stay static."""
         with _TRACE_LOCK, torch._C._PreserveDispatchKeyGuard():
+            if self._dynamic_hit(key, tensors) is not None:
+                return                   # another thread filed one that covers these sizes
             try:
                 trace = tracer.trace(self._fn, args, kwargs, tensors, symbolic=True)
                 refusal = trace.untraceable or passes.unreplayable_twice(trace.graph_module)
@@ -170,6 +171,12 @@ class CompiledFunction:
     # ---------------------------------------------------------------- a miss
     def _miss(self, key, args, kwargs, tensors, why: Optional[str]):
         with _TRACE_LOCK:
+            if self._eager_reason is not None:      # another thread's trace gave up meanwhile
+                self._cache.note_eager(None)
+                return self._fn(*args, **kwargs)
+            entry, _ = self._cache.lookup(key)
+            if entry is not None:                   # another thread traced it meanwhile
+                return entry.outputs(entry.run(tensors))
             try:
                 trace = tracer.trace(self._fn, args, kwargs, tensors)
             except Exception as exc:
@@ -177,13 +184,13 @@ class CompiledFunction:
                     raise          # the function's own error: what an eager call raises
                 self._go_eager(f"tracing failed inside make_fx ({type(exc).__name__}: {exc})")
                 return self._fn(*args, **kwargs)
-        self._cache.note_miss(why, trace.seconds)
-        if trace.untraceable is not None:
-            self._go_eager(trace.untraceable)
+            # filed under the lock: a thread waiting on it finds the entry, not a second trace
+            self._cache.note_miss(why, trace.seconds)
+            if trace.untraceable is not None:
+                self._go_eager(trace.untraceable)
+                return trace.outputs
+            self._cache.put(self._make_entry(key, trace, tensors))
             return trace.outputs
-        entry = self._make_entry(key, trace, tensors)
-        self._cache.put(entry)
-        return trace.outputs
 
     def _make_entry(self, key, trace: tracer.Trace, tensors) -> Entry:
         backend = self.backend
@@ -258,7 +265,7 @@ class CompiledFunction:
         self._dynamic.clear()
 
     def entries(self):
-        return list(self._cache.entries.values())
+        return self._cache.all_entries()
 
     def __get__(self, obj, objtype=None):
         if obj is None:

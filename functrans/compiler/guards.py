@@ -5,7 +5,8 @@ What this module owns
 - ``call_key(args, kwargs)``: one hashable key for everything a trace baked in from the call:
   the pytree structure of the arguments, each tensor's shape, strides, dtype, device, layout and
   requires_grad, the value (and type) of every non-tensor leaf, and the ambient state
-  (``ambient()``: grad mode, inference mode, default dtype, autocast on CPU and CUDA).  It also
+  (``ambient()``: grad mode, inference mode, default dtype, autocast on CPU and CUDA with the
+  dtype it casts to).  It also
   returns the argument tensors in pytree order: the graph's inputs.  Flat tuples, lists and dicts
   of tensors and Python scalars take a hand-written walk; anything else (namedtuples, custom
   pytree nodes) goes through ``torch.utils._pytree``, which gives the same leaf order.
@@ -17,6 +18,8 @@ What this module owns
   the path to each object; ``check()`` re-reads every step of every path on each call, so
   rebinding a name, swapping a module's parameter or changing a captured scalar is seen and
   answered by a retrace, never by a stale graph.
+- ``object_arguments(args, kwargs)``: the argument leaves that are neither tensors nor plain
+  values (objects, modules, functions), whose attributes a trace may read like captured state.
 - ``describe_difference(old, new)``: why a key missed, in words, for ``cache_info()``.
 
 Imports: nothing (torch only).
@@ -40,10 +43,21 @@ class Unguardable(Exception):
     subclass, a sparse tensor): the call runs eagerly and the reason is recorded."""
 
 
+if hasattr(torch, "get_autocast_dtype"):
+    _autocast_dtype = torch.get_autocast_dtype
+else:  # pragma: no cover - older torch
+    def _autocast_dtype(device_type: str) -> torch.dtype:
+        return (torch.get_autocast_cpu_dtype() if device_type == "cpu"
+                else torch.get_autocast_gpu_dtype())
+
+
 def ambient() -> tuple:
+    """Grad mode, inference mode, default dtype, and for CPU and CUDA autocast False when off,
+    else the dtype it casts to (a graph traced under bfloat16 autocast bakes in bfloat16)."""
+    cpu = torch.is_autocast_enabled("cpu") and _autocast_dtype("cpu")
+    cuda = torch.is_autocast_enabled("cuda") and _autocast_dtype("cuda")
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-            torch.get_default_dtype(), torch.is_autocast_enabled("cpu"),
-            torch.is_autocast_enabled("cuda"))
+            torch.get_default_dtype(), cpu, cuda)
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:
@@ -147,15 +161,21 @@ def shape_guard(graph_module) -> Any:
     return check
 
 
-_AMBIENT_NAMES = ("grad mode", "inference mode", "default dtype", "CPU autocast", "CUDA autocast")
+def object_arguments(args: tuple, kwargs: dict) -> tuple:
+    return tuple(leaf for leaf in pytree.tree_leaves((args, kwargs))
+                 if not isinstance(leaf, _Tensor) and type(leaf) not in _SCALARS)
+
+
+AMBIENT_NAMES = ("grad mode", "inference mode", "default dtype", "CPU autocast", "CUDA autocast")
 
 
 def describe_difference(old: tuple, new: tuple) -> str:
     """In words, the first thing that differs between two keys of ``call_key``."""
     (osig, oamb), (nsig, namb) = old, new
-    for name, a, b in zip(_AMBIENT_NAMES, oamb, namb):
-        if a != b:
-            return f"{name} changed ({a} -> {b})"
+    ambient_changes = [f"{name} changed ({a} -> {b})"
+                       for name, a, b in zip(AMBIENT_NAMES, oamb, namb) if a != b]
+    if ambient_changes:     # all of them: inference mode also turns grad mode off
+        return ", ".join(ambient_changes)
     if len(osig) != len(nsig):
         return "the structure of the arguments changed"
     tensor_i = -1
@@ -228,13 +248,18 @@ class Captured:
         self._seen_steps: set = set()
 
     @classmethod
-    def discover(cls, fn: Any, guarded_tensors: Optional[set] = None) -> "Captured":
-        """Walk what fn reaches.  Paths are kept for every scalar, and for every tensor whose
-        id is in ``guarded_tensors`` (all tensors when None)."""
+    def discover(cls, fn: Any, guarded_tensors: Optional[set] = None,
+                 arguments: tuple = ()) -> "Captured":
+        """Walk what fn reaches, and what the object ``arguments`` reach (a method's ``self``,
+        a module passed in: the key holds them by identity, their attributes are read here).
+        Paths are kept for every scalar, and for every tensor whose id is in
+        ``guarded_tensors`` (all tensors when None)."""
         self = cls()
         seen: set = set()
         # (object, name, depth, path of steps leading to it)
         stack: List[tuple] = [(fn, getattr(fn, "__name__", "fn"), 0, ())]
+        stack += [(arg, f"argument {type(arg).__name__}", 1, ((_SEQ, arguments, i, arg),))
+                  for i, arg in enumerate(arguments)]
         while stack and len(seen) < _MAX_OBJECTS:
             obj, name, depth, path = stack.pop()
             if isinstance(obj, _Tensor):

@@ -3,10 +3,10 @@
 - ``compile_report()``: every live compiled function with its ``cache_info()`` (entries,
   hits, misses, retrace reasons, trace time, op counts, why calls ran eagerly).
 - ``explain(fn, *args, **kwargs)``: traces ``fn`` (a plain function or a compiled one) on
-  these arguments — which runs it once — and returns an ``Explanation``: the generated code
-  each op runs through (or the Inductor graph), the guards the graph is filed under (argument
-  structure, tensor metadata, non-tensor values, ambient state) and the captured state it
-  re-reads on every call; ``print`` it.
+  these arguments — which runs it once — and returns an ``Explanation``: the graph (one ATen op
+  per line), the generated code each op runs through (or the Inductor graph), the guards the
+  graph is filed under (argument structure, tensor metadata, non-tensor values, ambient state)
+  and the captured state it re-reads on every call; ``print`` it.
 
 Imports: compiler.function, compiler.guards.
 """
@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 import torch
 
 from .function import CompiledFunction, all_compiled, compile
-from .guards import ambient, call_key
+from .guards import AMBIENT_NAMES, ambient, call_key
 
 
 @dataclass
@@ -42,11 +42,15 @@ def compile_report() -> CompileReport:
 
 @dataclass
 class Explanation:
+    """``graph``: the cleaned graph's code, one ATen op per line (``torch.ops.aten.mm...``);
+    ``code``: what the backend runs (the replay's generated source, whose callables are bound
+    names, or the Inductor graph)."""
     runs_eagerly: Optional[str]
     code: str
     ops: int
     guards: List[str]
     captured: List[str]
+    graph: str = ""
 
     def __str__(self) -> str:
         lines = []
@@ -54,7 +58,7 @@ class Explanation:
             lines.append(f"runs eagerly: {self.runs_eagerly}")
         else:
             lines.append(f"graph: {self.ops} ops")
-            lines.append(self.code.rstrip())
+            lines.append((self.graph or self.code).strip("\n"))
         lines.append("guards:")
         lines += [f"  {g}" for g in self.guards]
         lines.append("captured (re-read on every call):")
@@ -79,7 +83,7 @@ def _describe_key(key) -> List[str]:
             out.append(f"value {part[1]!r} ({part[0].__name__})")
         else:
             out.append(f"structure {part}")
-    names = ("grad mode", "inference mode", "default dtype", "CPU autocast", "CUDA autocast")
+    names = AMBIENT_NAMES
     out += [f"{n}: {v}" for n, v in zip(names, amb)]
     return out
 
@@ -106,4 +110,5 @@ def explain(fn, *args, **kwargs) -> Explanation:
     captured += [f"tensor {tuple(t.shape)} {t.dtype} (read by identity)"
                  for t, _ in entry.constant_meta
                  if entry.captured is None or entry.captured.name_of(t) is None]
-    return Explanation(None, code, entry.ops, _describe_key(key), captured)
+    return Explanation(None, code, entry.ops, _describe_key(key), captured,
+                       entry.graph_module.code)

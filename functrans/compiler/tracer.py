@@ -11,9 +11,10 @@ What this module owns
 - what a graph must never bake in, found while tracing (``_Watcher``): a value read back into
   Python (``.item()``, ``bool()``, ``.tolist()``, ``.numpy()``: a branch on data), an op whose
   output shape depends on data (tags ``data_dependent_output`` / ``dynamic_output_shape``), and
-  Python-side effects the graph cannot replay (``Captured`` state rebound or new tensors stored in
-  it, ``.grad`` written by ``backward()``, tensors made with ``requires_grad=True`` inside).  Each
-  is reported once, with the op and the user's source line, as ``Trace.untraceable``.
+  Python-side effects the graph cannot replay (``Captured`` state — what ``fn`` and its object
+  arguments reach — rebound or new tensors stored in it, ``.grad`` written by ``backward()``,
+  tensors made with ``requires_grad=True`` inside).  Each is reported once, with the op and
+  the user's source line, as ``Trace.untraceable``.
 - ``tracing()``: whether this thread is inside a trace (a compiled function called inside
   another's trace runs eagerly: its ops are recorded in the outer graph).
 
@@ -33,10 +34,11 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from .guards import Captured
+from .guards import Captured, object_arguments
 
 _tls = threading.local()
 _DATA_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _READ_BACK = {torch.Tensor.tolist: ".tolist()", torch.Tensor.numpy: ".numpy()",
               torch.Tensor.__array__: "numpy.asarray()"}
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,)) + (
@@ -61,9 +63,14 @@ def user_line() -> str:
 
 class _Watcher:
     """Records the first thing a graph must not bake in; lets the trace go on (in real mode the
-    trace is the first call's eager run, so it finishes and its answer is right)."""
+    trace is the first call's eager run, so it finishes and its answer is right).
 
-    def __init__(self) -> None:
+    In real mode a value read into Python (``aten._local_scalar_dense``: ``.item()``,
+    ``bool()``, an ``if`` on a tensor) is answered here from the real tensor, below no mode:
+    make_fx would raise on it, and the function, half run (its in-place writes done), would
+    then have to run again eagerly — applying those writes twice."""
+
+    def __init__(self, real: bool = True) -> None:
         self.first: Optional[str] = None
         watcher = self
 
@@ -72,10 +79,10 @@ class _Watcher:
                 tags = func.tags
                 if watcher.first is None and any(tag in tags for tag in _DATA_TAGS):
                     what = ("reads a tensor's value into Python (.item(), bool(), an `if` on "
-                            "a tensor)" if func is torch.ops.aten._local_scalar_dense.default
+                            "a tensor)" if func is _LOCAL_SCALAR
                             else "has an output whose shape or value depends on the data")
                     watcher.first = f"{func} {what}, at {user_line()}"
-                if torch.Tag.data_dependent_output in tags:
+                if torch.Tag.data_dependent_output in tags and real:
                     # make_fx refuses to read a traced tensor's value; the graph is given up
                     # already, so read it below the tracer and let the eager run finish
                     with _disable_current_modes():
@@ -129,10 +136,11 @@ def trace(fn, args: tuple, kwargs: dict, tensors: List[torch.Tensor], *,
     start = time.perf_counter()
     leaves, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    before = Captured.discover(fn)
+    arguments = object_arguments(args, kwargs)
+    before = Captured.discover(fn, arguments=arguments)
     reachable = [t for t, _ in before.tensors.values()] + list(tensors)
     grads_before = {id(t): t.grad for t in reachable if t.requires_grad}
-    watcher = _Watcher()
+    watcher = _Watcher(real=not symbolic)
     box: Dict[str, Any] = {}
 
     def flat(*traced):
@@ -162,7 +170,8 @@ def trace(fn, args: tuple, kwargs: dict, tensors: List[torch.Tensor], *,
     constants = {node.target: getattr(gm, node.target) for node in gm.graph.nodes
                  if node.op == "get_attr"}
     constant_tensors = [c for c in constants.values() if isinstance(c, torch.Tensor)]
-    captured = Captured.discover(fn, guarded_tensors={id(c) for c in constant_tensors})
+    captured = Captured.discover(fn, guarded_tensors={id(c) for c in constant_tensors},
+                                 arguments=arguments)
     needs_autograd = torch.is_grad_enabled() and any(
         t.requires_grad for t in list(tensors) + constant_tensors)
 
