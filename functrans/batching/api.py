@@ -328,12 +328,10 @@ def _as_view_of_input(v: torch.Tensor, inputs) -> torch.Tensor:
         if a.requires_grad or a.dtype != v.dtype or a.is_conj() != v.is_conj() or \
                 a.is_neg() != v.is_neg() or a.layout is not torch.strided:
             return v
-        with _no_python_dispatch():   # plain tensors: skip the vmap's own dispatch mode
-            return a.as_strided(v.shape, v.stride(), v.storage_offset())
+        # plain tensors: the vmap's own mode lets the op through, and a tracer around the
+        # vmap (functrans.compile's make_fx) records it instead of baking in its result
+        return a.as_strided(v.shape, v.stride(), v.storage_offset())
     return v
-
-
-_no_python_dispatch = torch._C._DisableTorchDispatch
 
 
 class results_with_dims(list):

@@ -109,6 +109,35 @@ class _Watcher:
         return False
 
 
+_LITERAL_USERS = {torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default}
+
+
+def _on_meta(node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.device.type == "meta"
+
+
+def _unexplained_constant(gm, captured: Captured, tensors) -> Optional[str]:
+    """A ``get_attr`` tensor no guard watches: not captured state (re-read on every call), not a
+    literal (``torch.tensor([...])`` is lifted by ``lift_fresh_copy``), not an argument."""
+    arguments = {id(t) for t in tensors}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target)
+        if not isinstance(value, torch.Tensor) or id(value) in arguments:
+            continue
+        if captured.name_of(value) is not None:
+            continue
+        if node.users and all(u.op == "call_function" and u.target in _LITERAL_USERS
+                              for u in node.users):
+            continue
+        if node.users and all(_on_meta(u) for u in node.users):
+            continue        # read for its metadata only (``module.to("meta")``): no value used
+        return f"a tensor of shape {tuple(value.shape)}"
+    return None
+
+
 @dataclass
 class Trace:
     graph_module: Optional[torch.fx.GraphModule]
@@ -176,6 +205,13 @@ def trace(fn, args: tuple, kwargs: dict, tensors: List[torch.Tensor], *,
         t.requires_grad for t in list(tensors) + constant_tensors)
 
     untraceable = watcher.first
+    if untraceable is None:
+        unknown = _unexplained_constant(gm, captured, tensors)
+        if unknown is not None:
+            untraceable = (f"the graph of {_fn_name(fn)} would hold {unknown} as a constant: a "
+                           "tensor it neither takes as an argument nor reads from Python state "
+                           "this trace can re-read (made by an op hidden from the tracer), so a "
+                           "later call could see a stale value")
     if untraceable is None:
         changed = before.check()
         if changed is not None:
