@@ -394,6 +394,29 @@ class CompiledPrivateStep:
             masked[name] = torch.where(keep, g, g.new_zeros(()))
         return _clip_and_sum(masked, self.max_norm, self._api)
 
+    def masked_clipped_sum(self, batch, mask: torch.Tensor) -> Tuple[Grads, torch.Tensor]:
+        """Steps 1-3, compiled, on a batch that is already padded: ``(sums, norms)`` as
+        ``clip_and_sum`` returns them, where the rows with ``mask[i] == False`` contribute
+        exactly nothing (their gradients, whatever their content, are replaced by zeros before
+        the norms: their norm is 0 and they add 0.0 to the sums).  ``mask``: a bool tensor
+        ``[B]``.  One trace per batch shape; for data loaders that pad batches themselves."""
+        api = self._api
+        batch = _as_tuple(batch, api)
+        n = _batch_size(batch, api)
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or \
+                tuple(mask.shape) != (n,):
+            raise TransformArgumentError(
+                f"{api}: mask must be a bool tensor of shape [{n}] (one entry per row of the "
+                f"batch); got {mask!r:.80}.")
+        if n == 0:
+            return _clip_and_sum(
+                _per_sample_grads(self.model, self.loss_fn, batch, self.randomness, api),
+                self.max_norm, api)
+        params, rest = _trainable(_unwrap(self.model))
+        if not params:
+            _clip_and_sum({}, self.max_norm, api)   # raises: nothing to clip
+        return self._compiled(params, rest, mask, batch)
+
     # ---------------------------------------------------------------- one step
     def __call__(self, batch, *, return_norms: bool = False):
         """The privatized gradient of one step on ``batch`` (any size up to the maximum), as
@@ -403,19 +426,14 @@ class CompiledPrivateStep:
         batch = _as_tuple(batch, api)
         n = _batch_size(batch, api)
         if n == 0:   # no examples: the eager path (zero sums, no graph to trace)
-            sums, norms = _clip_and_sum(
-                _per_sample_grads(self.model, self.loss_fn, batch, self.randomness, api),
-                self.max_norm, api)
+            sums, norms = self.masked_clipped_sum(batch, torch.zeros(0, dtype=torch.bool))
         else:
             size = self.bucket_for(n)
-            params, rest = _trainable(_unwrap(self.model))
-            if not params:
-                _clip_and_sum({}, self.max_norm, api)   # raises: nothing to clip
             mask = torch.arange(size, device=batch[0].device) < n
             if size > n:   # rows repeating the first example: valid inputs, masked out
                 batch = tuple(torch.cat([t, t[:1].expand((size - n,) + tuple(t.shape[1:]))])
                               for t in batch)
-            sums, norms = self._compiled(params, rest, mask, batch)
+            sums, norms = self.masked_clipped_sum(batch, mask)
             norms = norms[:n]
         sums = add_gaussian_noise(sums, self.noise_multiplier * self.max_norm,
                                   generator=self.generator)
