@@ -43,7 +43,7 @@ divide by zero; use ``"sum"`` and divide by the expected batch size).
 
 Compiled steps with Poisson sampling (``compiled_private_step``): the batch size changes every
 step, and a graph traced for one size would be retraced for the next.  Each batch is padded up
-to a bucket size (powers of two, multiples of an int, or given sizes) with masked rows: their
+to a bucket size (four per octave, multiples of an int, or given sizes) with masked rows: their
 per-example gradients are replaced by exact zeros (``torch.where(mask, g, 0)``, which holds even
 for a NaN or infinite gradient) BEFORE the norms, the clipping and the sum, so a padded row adds
 exactly ``0.0`` to every coordinate of the clipped sum.  Steps 1-3 run as one graph traced by
@@ -337,8 +337,8 @@ class CompiledPrivateStep:
         elif buckets is not None:
             if not isinstance(buckets, (list, tuple)) or not buckets:
                 raise TransformArgumentError(
-                    f"{api}: buckets must be None (powers of two), an int k (multiples of k) or "
-                    f"a non-empty sequence of batch sizes; got {buckets!r}.")
+                    f"{api}: buckets must be None (four sizes per octave), an int k (multiples "
+                    f"of k) or a non-empty sequence of batch sizes; got {buckets!r}.")
             if max_batch_size is not None:
                 raise TransformArgumentError(
                     f"{api}: give max_batch_size only with buckets=None or an int; with a "
@@ -370,8 +370,9 @@ class CompiledPrivateStep:
                 "draws a batch above its expected size now and then).")
         if self._multiple is not None:
             size = -(-n // self._multiple) * self._multiple
-        else:
-            size = 1 << (n - 1).bit_length()
+        else:   # 4 sizes per octave: n rounded up to its 3 leading binary digits
+            shift = max(n.bit_length() - 3, 0)
+            size = -(-n >> shift) << shift
         if self.max_batch_size is not None and size > self.max_batch_size:
             if n > self.max_batch_size:
                 raise TransformArgumentError(
@@ -451,7 +452,7 @@ class CompiledPrivateStep:
         if self._sizes is not None:
             kind = f"buckets={list(self._sizes)}"
         else:
-            kind = ("powers of two" if self._multiple is None else f"multiples of "
+            kind = ("4 sizes per octave" if self._multiple is None else f"multiples of "
                     f"{self._multiple}") + f", max_batch_size={self.max_batch_size}"
         return f"<functrans.nn.dp.CompiledPrivateStep ({kind})>"
 
@@ -486,17 +487,22 @@ def compiled_private_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor]
     (``step.cache_info().misses``).  Noise and ``reduction="mean"`` (over the real ``B``)
     follow on the result as in ``dp_sgd_grads``.
 
-    ``buckets``: ``None`` (default): powers of two; an int ``k``: multiples of ``k``; a
-    sequence of sizes: those sizes, the largest being the maximum.  ``max_batch_size`` caps the
-    powers / multiples (the largest bucket is ``max_batch_size`` itself); a batch above the
-    maximum raises an error naming ``max_batch_size`` (or ``buckets``).  Without a maximum,
-    buckets grow with the batch (up to 32 graphs are kept, least recently used evicted).
+    ``buckets``: ``None`` (default): four sizes per octave, ``B`` rounded up to its three
+    leading binary digits (1..8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...: at most 25% padding,
+    where powers of two would pad a batch just above 128 to 256); an int ``k``: multiples of
+    ``k``; a sequence of sizes: those sizes, the largest being the maximum (powers of two:
+    ``buckets=[1, 2, 4, ...]``).  ``max_batch_size`` caps the default / multiples (the largest
+    bucket is ``max_batch_size`` itself); a batch above the maximum raises an error naming
+    ``max_batch_size`` (or ``buckets``).  Without a maximum, buckets grow with the batch (up to
+    32 graphs are kept, least recently used evicted).
     ``generator`` / ``seed``: the noise's generator; a seed makes one generator here, which
     advances from step to step (``dp_sgd_grads(seed=...)`` reseeds on every call).
     ``randomness`` as in ``per_sample_grads``: dropout draws for the padded rows too, so the
     global generator advances by the padded size.  ``backend``: ``functrans.compile``'s.
     An empty batch gives zero clipped sums plus the noise (``reduction="mean"`` raises).
-    Single process only (no ``process_group``).
+    Single process only (no ``process_group``).  ``step.masked_clipped_sum(batch, mask)`` runs
+    the compiled part on a batch the caller padded; ``step.bucket_for(B)`` is the padded size;
+    ``step.cache_info()`` the compiled part's counters.
     """
     return CompiledPrivateStep(model, loss_fn, max_norm=max_norm,
                                noise_multiplier=noise_multiplier, buckets=buckets,

@@ -188,12 +188,14 @@ def test_empty_batch_is_handled_as_the_eager_path_handles_it():
 def test_bucket_sizes_and_batches_above_the_maximum():
     model = _mlp()
     x, y = _data()
-    pow2 = compiled_private_step(model, loss_fn, max_norm=1.0, noise_multiplier=0.0,
-                                 max_batch_size=24)
-    assert [pow2.bucket_for(n) for n in (1, 2, 3, 5, 9, 16, 17, 24)] == \
-        [1, 2, 4, 8, 16, 16, 24, 24]               # never above max_batch_size
-    with pytest.raises(ValueError, match="max_batch_size=24"):
-        pow2((x[:25], y[:25]))
+    default = compiled_private_step(model, loss_fn, max_norm=1.0, noise_multiplier=0.0,
+                                    max_batch_size=26)
+    # four sizes per octave (3 leading binary digits), never above max_batch_size
+    assert [default.bucket_for(n) for n in range(1, 27)] == \
+        [1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 12, 12, 14, 14, 16, 16, 20, 20, 20, 20, 24, 24, 24, 24,
+         26, 26]
+    with pytest.raises(ValueError, match="max_batch_size=26"):
+        default((x[:27], y[:27]))
     multiples = compiled_private_step(model, loss_fn, max_norm=1.0, noise_multiplier=0.0,
                                       buckets=5, max_batch_size=12)
     assert [multiples.bucket_for(n) for n in (1, 5, 6, 11, 12)] == [5, 5, 10, 12, 12]
@@ -204,9 +206,13 @@ def test_bucket_sizes_and_batches_above_the_maximum():
         listed((x[:9], y[:9]))
     assert listed.cache_info().misses == 0          # the error comes before any trace
     unbounded = compiled_private_step(model, loss_fn, max_norm=1.0, noise_multiplier=0.0)
-    assert unbounded.bucket_for(N_DATA) == 64        # no maximum: the buckets grow
-    got = unbounded((x, y))
-    _close(got, clip_and_sum(per_sample_grads(model, loss_fn, (x, y)), 1.0)[0])
+    assert [unbounded.bucket_for(n) for n in (33, 41, 100, 129, 1000)] == \
+        [40, 48, 112, 160, 1024]                       # no maximum: the buckets grow
+    got = unbounded((x[:33], y[:33]))
+    _close(got, clip_and_sum(per_sample_grads(model, loss_fn, (x[:33], y[:33])), 1.0)[0])
+    powers = compiled_private_step(model, loss_fn, max_norm=1.0, noise_multiplier=0.0,
+                                   buckets=[1, 2, 4, 8, 16, 32, 64])
+    assert [powers.bucket_for(n) for n in (3, 17, 33)] == [4, 32, 64]
 
 
 @pytest.mark.parametrize("kwargs,match", [
