@@ -37,26 +37,42 @@ the DDP wrapper; DDP's averaging all-reduce then yields the global noisy sum).
 The model must be functional per example: no BatchNorm in training mode (its statistics would
 mix examples, which DP-SGD forbids anyway); buffers are passed through unbatched.
 
+An empty batch (``B = 0``, which Poisson sampling draws now and then) is a step like any other:
+the clipped sum is zero, the noise is added as usual; ``reduction="mean"`` raises (it would
+divide by zero; use ``"sum"`` and divide by the expected batch size).
+
+Compiled steps with Poisson sampling (``compiled_private_step``): the batch size changes every
+step, and a graph traced for one size would be retraced for the next.  Each batch is padded up
+to a bucket size (four per octave, multiples of an int, or given sizes) with masked rows: their
+per-example gradients are replaced by exact zeros (``torch.where(mask, g, 0)``, which holds even
+for a NaN or infinite gradient) BEFORE the norms, the clipping and the sum, so a padded row adds
+exactly ``0.0`` to every coordinate of the clipped sum.  Steps 1-3 run as one graph traced by
+``functrans.compile`` per bucket (at most one trace per bucket); steps 4-5 run as in
+``dp_sgd_grads`` (the same noise from the same generator state, the mean over the REAL count).
+
 Argument errors are ``functrans.errors`` types that open with the call echoed
 (``transform_call``), e.g. ``dp_sgd_grads(model, loss_fn, batch, max_norm=0.0, ...): ...``.
 
-Imports: errors, stateless, batching.api, autodiff.grad.
+Imports: errors, stateless, batching.api, autodiff.grad, compiler.function.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Mapping, Optional, Tuple
+import math
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from ..autodiff.grad import grad
 from ..batching.api import check_randomness, vmap
+from ..compiler.function import compile as _compile
 from ..errors import (TransformArgumentError, TransformKeyError, TransformTypeError,
                       transform_call)
 from .stateless import functional_call
 
 __all__ = ["per_sample_grads", "clip_and_sum", "add_gaussian_noise", "dp_sgd_grads",
-           "assign_grads", "surrogate_loss", "CLIP_EPS"]
+           "assign_grads", "surrogate_loss", "compiled_private_step", "CompiledPrivateStep",
+           "CLIP_EPS"]
 
 CLIP_EPS = 1e-6  # the Opacus constant in the clipping factor min(1, C / (norm + eps))
 
@@ -116,16 +132,22 @@ def per_sample_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], bat
 def _per_sample_grads(model, loss_fn, batch, randomness, api) -> Grads:
     check_randomness(randomness, api)
     batch = _as_tuple(batch, api)
-    _batch_size(batch, api)
+    n = _batch_size(batch, api)
     model = _unwrap(model)
     params, rest = _trainable(model)
+    if n == 0:   # vmap over an empty dim cannot run the model: no examples, no gradients
+        return {name: p.new_zeros((0,) + tuple(p.shape)) for name, p in params.items()}
+    return _per_example_grad_fn(model, loss_fn, len(batch), randomness)(params, rest, *batch)
 
+
+def _per_example_grad_fn(model, loss_fn, n_batch_tensors: int, randomness: str):
+    """``vmap(grad(loss of one example))`` over (params, rest, *batch tensors)."""
     def example_loss(p, r, x, *others):
         out = functional_call(model, (p, r), (x.unsqueeze(0),))
         return loss_fn(out, *(o.unsqueeze(0) for o in others))
 
-    in_dims = (None, None) + (0,) * len(batch)
-    return vmap(grad(example_loss), in_dims=in_dims, randomness=randomness)(params, rest, *batch)
+    in_dims = (None, None) + (0,) * n_batch_tensors
+    return vmap(grad(example_loss), in_dims=in_dims, randomness=randomness)
 
 
 def clip_and_sum(per_sample: Mapping[str, torch.Tensor], max_norm: float
@@ -153,7 +175,8 @@ def _clip_and_sum(per_sample, max_norm, api):
         raise TransformArgumentError(
             f"{api}: there are no gradients to clip; does the model have trainable parameters "
             "(requires_grad=True)?")
-    sq = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads]).sum(0)
+    sq = torch.stack([g.reshape(g.shape[0], math.prod(g.shape[1:])).pow(2).sum(1)
+                      for g in grads]).sum(0)
     norms = sq.sqrt()
     factor = (max_norm / (norms + CLIP_EPS)).clamp(max=1.0)
     sums = {name: torch.tensordot(factor.to(g.dtype), g, dims=1)
@@ -221,13 +244,8 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, 
     """
     api = transform_call("dp_sgd_grads", "model", "loss_fn", "batch", max_norm=max_norm,
                          noise_multiplier=noise_multiplier)
-    if reduction not in ("sum", "mean"):
-        raise TransformArgumentError(
-            f"{api}: reduction must be 'sum' (the noisy sum) or 'mean' (divided by the batch "
-            f"size); got {reduction!r}.")
-    if noise_multiplier < 0:
-        raise TransformArgumentError(
-            f"{api}: noise_multiplier must be >= 0 (0: no noise); got {noise_multiplier}.")
+    _check_reduction(reduction, api)
+    _check_noise_multiplier(noise_multiplier, api)
     _check_max_norm(max_norm, api)   # before the per-example gradients are computed
     gen = _generator(generator, seed, api)
     batch = _as_tuple(batch, api)
@@ -247,9 +265,249 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, 
         sums = add_gaussian_noise(sums, noise_multiplier * max_norm, generator=gen)
     if distributed:
         sums = _all_reduce_sum(sums, process_group)
+    return _finish(sums, norms, n, reduction, return_norms, api)
+
+
+def _check_reduction(reduction, api: str) -> None:
+    if reduction not in ("sum", "mean"):
+        raise TransformArgumentError(
+            f"{api}: reduction must be 'sum' (the noisy sum) or 'mean' (divided by the batch "
+            f"size); got {reduction!r}.")
+
+
+def _check_noise_multiplier(noise_multiplier, api: str) -> None:
+    if noise_multiplier < 0:
+        raise TransformArgumentError(
+            f"{api}: noise_multiplier must be >= 0 (0: no noise); got {noise_multiplier}.")
+
+
+def _finish(sums: Grads, norms: torch.Tensor, n: int, reduction: str, return_norms: bool,
+            api: str):
+    """Step 5 and the return value, shared by ``dp_sgd_grads`` and the compiled step."""
     if reduction == "mean":
+        if n == 0:
+            raise TransformArgumentError(
+                f"{api}: reduction='mean' divides the noisy sum by the batch size, and this "
+                "batch is empty (Poisson sampling draws empty batches now and then); use "
+                "reduction='sum' and divide by the expected batch size.")
         sums = {name: g / n for name, g in sums.items()}
     return (sums, norms) if return_norms else sums
+
+
+# --------------------------------------------------------------------------------------------
+# The compiled step: padding to bucket sizes, masked rows, one trace per bucket.
+
+Buckets = Union[None, int, Sequence[int]]
+
+
+def _positive_int(value, name: str, api: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TransformArgumentError(f"{api}: {name} must be a positive int; got {value!r}.")
+    return value
+
+
+class CompiledPrivateStep:
+    """One DP-SGD step per call, its per-example part compiled; see ``compiled_private_step``."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], *,
+                 max_norm: float, noise_multiplier: float, buckets: Buckets = None,
+                 max_batch_size: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                 seed: Optional[int] = None, reduction: str = "sum",
+                 randomness: str = "different", backend: str = "replay"):
+        api = transform_call("compiled_private_step", "model", "loss_fn", max_norm=max_norm,
+                             noise_multiplier=noise_multiplier, buckets=buckets,
+                             max_batch_size=max_batch_size)
+        self._api = api
+        _check_max_norm(max_norm, api)
+        _check_noise_multiplier(noise_multiplier, api)
+        _check_reduction(reduction, api)
+        check_randomness(randomness, api)
+        self.model, self.loss_fn = model, loss_fn
+        self.max_norm, self.noise_multiplier = max_norm, noise_multiplier
+        self.reduction, self.randomness = reduction, randomness
+        # a seed makes ONE generator here, which then advances from step to step
+        self.generator = _generator(generator, seed, api)
+        self._sizes: Optional[Tuple[int, ...]] = None   # explicit bucket sizes
+        self._multiple: Optional[int] = None            # buckets=int: multiples of it
+        if max_batch_size is not None:
+            _positive_int(max_batch_size, "max_batch_size", api)
+        self.max_batch_size = max_batch_size
+        if isinstance(buckets, int) and not isinstance(buckets, bool):
+            self._multiple = _positive_int(buckets, "buckets", api)
+        elif buckets is not None:
+            if not isinstance(buckets, (list, tuple)) or not buckets:
+                raise TransformArgumentError(
+                    f"{api}: buckets must be None (four sizes per octave), an int k (multiples "
+                    f"of k) or a non-empty sequence of batch sizes; got {buckets!r}.")
+            if max_batch_size is not None:
+                raise TransformArgumentError(
+                    f"{api}: give max_batch_size only with buckets=None or an int; with a "
+                    "sequence of sizes the largest size is the maximum.")
+            self._sizes = tuple(sorted({_positive_int(b, "every bucket size", api)
+                                        for b in buckets}))
+        count = self._bucket_count()
+        self._compiled = _compile(self._masked_clipped_sum, backend=backend,
+                                  cache_size=count if count is not None else 32)
+
+    # ---------------------------------------------------------------- buckets
+    def _bucket_count(self) -> Optional[int]:
+        """How many bucket sizes there are (None: no maximum, they grow with the batch)."""
+        if self._sizes is not None:
+            return len(self._sizes)
+        if self.max_batch_size is None:
+            return None
+        return len({self.bucket_for(n) for n in _bucket_probe(self)})
+
+    def bucket_for(self, n: int) -> int:
+        """The padded size of a batch of ``n >= 1`` examples."""
+        if self._sizes is not None:
+            for size in self._sizes:
+                if size >= n:
+                    return size
+            raise TransformArgumentError(
+                f"{self._api}: a batch of {n} examples is larger than the largest of "
+                f"buckets={list(self._sizes)}; add a larger bucket size (Poisson sampling "
+                "draws a batch above its expected size now and then).")
+        if self._multiple is not None:
+            size = -(-n // self._multiple) * self._multiple
+        else:   # 4 sizes per octave: n rounded up to its 3 leading binary digits
+            shift = max(n.bit_length() - 3, 0)
+            size = -(-n >> shift) << shift
+        if self.max_batch_size is not None and size > self.max_batch_size:
+            if n > self.max_batch_size:
+                raise TransformArgumentError(
+                    f"{self._api}: a batch of {n} examples is larger than "
+                    f"max_batch_size={self.max_batch_size} (the largest bucket); raise "
+                    "max_batch_size (Poisson sampling draws a batch above its expected size "
+                    "now and then).")
+            size = self.max_batch_size
+        return size
+
+    # ---------------------------------------------------------------- the compiled part
+    def _masked_clipped_sum(self, params: Grads, rest: Grads, mask: torch.Tensor,
+                            batch: tuple):
+        """Steps 1-3 on a padded batch: the rows where ``mask`` is False give exact zeros."""
+        per_sample = _per_example_grad_fn(_unwrap(self.model), self.loss_fn, len(batch),
+                                          self.randomness)(params, rest, *batch)
+        masked = {}
+        for name, g in per_sample.items():
+            keep = mask.reshape((-1,) + (1,) * (g.dim() - 1))
+            masked[name] = torch.where(keep, g, g.new_zeros(()))
+        return _clip_and_sum(masked, self.max_norm, self._api)
+
+    def masked_clipped_sum(self, batch, mask: torch.Tensor) -> Tuple[Grads, torch.Tensor]:
+        """Steps 1-3, compiled, on a batch that is already padded: ``(sums, norms)`` as
+        ``clip_and_sum`` returns them, where the rows with ``mask[i] == False`` contribute
+        exactly nothing (their gradients, whatever their content, are replaced by zeros before
+        the norms: their norm is 0 and they add 0.0 to the sums).  ``mask``: a bool tensor
+        ``[B]``.  One trace per batch shape; for data loaders that pad batches themselves."""
+        api = self._api
+        batch = _as_tuple(batch, api)
+        n = _batch_size(batch, api)
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or \
+                tuple(mask.shape) != (n,):
+            raise TransformArgumentError(
+                f"{api}: mask must be a bool tensor of shape [{n}] (one entry per row of the "
+                f"batch); got {mask!r:.80}.")
+        if n == 0:
+            return _clip_and_sum(
+                _per_sample_grads(self.model, self.loss_fn, batch, self.randomness, api),
+                self.max_norm, api)
+        params, rest = _trainable(_unwrap(self.model))
+        if not params:
+            _clip_and_sum({}, self.max_norm, api)   # raises: nothing to clip
+        return self._compiled(params, rest, mask, batch)
+
+    # ---------------------------------------------------------------- one step
+    def __call__(self, batch, *, return_norms: bool = False):
+        """The privatized gradient of one step on ``batch`` (any size up to the maximum), as
+        ``dp_sgd_grads`` returns it: ``{name: noisy clipped gradient}`` (plus the per-example
+        norms before clipping, ``[B]``, if ``return_norms``)."""
+        api = self._api
+        batch = _as_tuple(batch, api)
+        n = _batch_size(batch, api)
+        if n == 0:   # no examples: the eager path (zero sums, no graph to trace)
+            sums, norms = self.masked_clipped_sum(batch, torch.zeros(0, dtype=torch.bool))
+        else:
+            size = self.bucket_for(n)
+            mask = torch.arange(size, device=batch[0].device) < n
+            if size > n:   # rows repeating the first example: valid inputs, masked out
+                batch = tuple(torch.cat([t, t[:1].expand((size - n,) + tuple(t.shape[1:]))])
+                              for t in batch)
+            sums, norms = self.masked_clipped_sum(batch, mask)
+            norms = norms[:n]
+        sums = add_gaussian_noise(sums, self.noise_multiplier * self.max_norm,
+                                  generator=self.generator)
+        return _finish(sums, norms, n, self.reduction, return_norms, api)
+
+    # ---------------------------------------------------------------- introspection
+    def cache_info(self):
+        """The compiled part's ``cache_info()``: one miss (trace) per bucket size used."""
+        return self._compiled.cache_info()
+
+    def cache_clear(self) -> None:
+        self._compiled.cache_clear()
+
+    def __repr__(self) -> str:
+        if self._sizes is not None:
+            kind = f"buckets={list(self._sizes)}"
+        else:
+            kind = ("4 sizes per octave" if self._multiple is None else f"multiples of "
+                    f"{self._multiple}") + f", max_batch_size={self.max_batch_size}"
+        return f"<functrans.nn.dp.CompiledPrivateStep ({kind})>"
+
+
+def _bucket_probe(step: CompiledPrivateStep):
+    """Batch sizes that reach every bucket below ``max_batch_size``: each bucket's own size."""
+    n, top = 1, step.max_batch_size
+    while n <= top:
+        yield n
+        n = step.bucket_for(n) + 1
+
+
+def compiled_private_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], *,
+                          max_norm: float, noise_multiplier: float, buckets: Buckets = None,
+                          max_batch_size: Optional[int] = None,
+                          generator: Optional[torch.Generator] = None,
+                          seed: Optional[int] = None, reduction: str = "sum",
+                          randomness: str = "different",
+                          backend: str = "replay") -> CompiledPrivateStep:
+    """A DP-SGD step for batches whose size changes every step (Poisson sampling), compiled
+    with ``functrans.compile`` so that it never retraces per step.
+
+    ``step = compiled_private_step(model, loss_fn, max_norm=1.0, noise_multiplier=1.1,
+    max_batch_size=512)``; then each step ``grads = step((x, y))`` (``return_norms=True``: also
+    the per-example norms) returns what ``dp_sgd_grads(model, loss_fn, (x, y), ...)`` returns,
+    up to summation order (the noise is the same, drawn from the same generator state).
+
+    The batch of ``B`` examples is padded to a bucket size with masked rows (copies of the
+    first example whose gradients are replaced by exact zeros before the norms, the clipping
+    and the sum: they contribute exactly nothing), and the per-example gradients, the clipping
+    and the sum run as one graph per bucket size: at most one trace per bucket
+    (``step.cache_info().misses``).  Noise and ``reduction="mean"`` (over the real ``B``)
+    follow on the result as in ``dp_sgd_grads``.
+
+    ``buckets``: ``None`` (default): four sizes per octave, ``B`` rounded up to its three
+    leading binary digits (1..8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...: at most 25% padding,
+    where powers of two would pad a batch just above 128 to 256); an int ``k``: multiples of
+    ``k``; a sequence of sizes: those sizes, the largest being the maximum (powers of two:
+    ``buckets=[1, 2, 4, ...]``).  ``max_batch_size`` caps the default / multiples (the largest
+    bucket is ``max_batch_size`` itself); a batch above the maximum raises an error naming
+    ``max_batch_size`` (or ``buckets``).  Without a maximum, buckets grow with the batch (up to
+    32 graphs are kept, least recently used evicted).
+    ``generator`` / ``seed``: the noise's generator; a seed makes one generator here, which
+    advances from step to step (``dp_sgd_grads(seed=...)`` reseeds on every call).
+    ``randomness`` as in ``per_sample_grads``: dropout draws for the padded rows too, so the
+    global generator advances by the padded size.  ``backend``: ``functrans.compile``'s.
+    An empty batch gives zero clipped sums plus the noise (``reduction="mean"`` raises).
+    Single process only (no ``process_group``).  ``step.masked_clipped_sum(batch, mask)`` runs
+    the compiled part on a batch the caller padded; ``step.bucket_for(B)`` is the padded size;
+    ``step.cache_info()`` the compiled part's counters.
+    """
+    return CompiledPrivateStep(model, loss_fn, max_norm=max_norm,
+                               noise_multiplier=noise_multiplier, buckets=buckets,
+                               max_batch_size=max_batch_size, generator=generator, seed=seed,
+                               reduction=reduction, randomness=randomness, backend=backend)
 
 
 def assign_grads(model: nn.Module, grads: Mapping[str, torch.Tensor], *,
