@@ -609,12 +609,7 @@ def test_outputs_alias_inputs_as_in_eager(fn):
 
 
 # ------------------------------------------------------------------------------ inductor
-_INDUCTOR_RNG = pytest.mark.xfail(strict=True, reason=(
-    "backends/inductor.py: Inductor draws random numbers with its own kernels, reproducible "
-    "for a seed but not eager's numbers (torch._inductor.config.fallback_random is off)"))
-
-
-@pytest.mark.parametrize("backend", ["replay", pytest.param("inductor", marks=_INDUCTOR_RNG)])
+@pytest.mark.parametrize("backend", ["replay", "inductor"])
 def test_random_same_seed_as_eager_per_backend(backend):
     def f(x):
         return x + torch.randn_like(x)

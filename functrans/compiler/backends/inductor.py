@@ -71,7 +71,10 @@ def build(gm: fx.GraphModule, inputs: List[torch.Tensor], unavailable) -> Callab
     except Exception as exc:
         raise unavailable(f"functionalizing the graph failed: {type(exc).__name__}: {exc}") \
             from exc
-    compiled = torch.compile(functional, backend="inductor", dynamic=False)
+    # fallback_random: random ops call ATen's own kernels on the global generator, so a seed
+    # gives the numbers eager gives (Inductor's own RNG would draw others)
+    compiled = torch.compile(functional, backend="inductor", dynamic=False,
+                             options={"fallback_random": True})
 
     def run(tensors):
         return compiled(*tensors, *constants)
