@@ -25,7 +25,8 @@ from .workloads import ANCHOR, WORKLOADS
 
 
 def warm_up() -> float:
-    """Seconds to import dynamo/inductor and compile and run a one-line function (once per process)."""
+    """Seconds to import dynamo and inductor and compile and run a one-line function (once per
+    process)."""
     start = time.perf_counter()
     fn = torch.compile(lambda x: x.sin() + 1)
     fn(torch.randn(3))

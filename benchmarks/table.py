@@ -48,7 +48,7 @@ import torch.utils._pytree as pytree
 
 import functrans as ft
 
-from .workloads import (ANCHOR, COMPILED, FIRST_CALL_S, IMPLS, INDUCTOR_VS_ANCHOR, WORKLOADS, Row,
+from .workloads import (ANCHOR, COMPILED, FIRST_CALL_S, INDUCTOR_VS_ANCHOR, WORKLOADS, Row,
                         Workload)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
