@@ -16,6 +16,17 @@ Timing: each implementation is first calibrated to a number of calls lasting abo
 round in a rotating order, so drift on a shared machine hits all of them alike.  The table shows
 the median time per call and the ratios functrans / torch.func (below 1: functrans is faster)
 and loop / functrans (the speedup over the loop).  CPU runs use one torch thread.
+
+Compiled columns (a second table): the functrans callable of each row compiled whole with
+``functrans.compile(..., backend="replay")`` and ``backend="inductor"`` (``strict=True``), timed
+interleaved with the others; the anchor ``torch.compile`` over the torch.func callable
+(inductor) runs in a subprocess per row (benchmarks/anchor.py), so a torch.compile crash costs
+one cell and nothing else.  Before timing, every compiled result is checked equal to
+torch.func's, and a compiled function that ran eagerly or retraced on its second call fails its
+cell.  Ratios are steady-state times over torch.func eager measured in the same process; the
+first calls (trace or compile, plus the first replay) are reported per row, after one warm-up
+per process (importing dynamo, the first make_fx, inductor's first compile) reported apart.
+``--no-anchor`` skips the subprocess column, ``--backends replay`` the inductor one.
 """
 from __future__ import annotations
 
@@ -26,6 +37,7 @@ import math
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +48,8 @@ import torch.utils._pytree as pytree
 
 import functrans as ft
 
-from .workloads import IMPLS, WORKLOADS, Row, Workload
+from .workloads import (ANCHOR, COMPILED, FIRST_CALL_S, INDUCTOR_VS_ANCHOR, WORKLOADS, Row,
+                        Workload)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -79,7 +92,7 @@ def _time_calls(fn, n: int, device) -> float:
 
 def measure(row: Row, device, rounds: int, min_time: float) -> Dict[str, float]:
     """Median seconds per call of every implementation, interleaved over ``rounds`` rounds."""
-    names = [n for n in IMPLS if n in row.impls]
+    names = list(row.impls)
     calls = {}
     for name in names:
         once = _time_calls(row.impls[name], 1, device)
@@ -92,16 +105,116 @@ def measure(row: Row, device, rounds: int, min_time: float) -> Dict[str, float]:
     return {n: statistics.median(s) for n, s in samples.items()}
 
 
-def run_workload(w: Workload, device, rounds: int, min_time: float) -> dict:
+def _why(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:160]}" if text else type(e).__name__
+
+
+def warm_up(backends=tuple(COMPILED.values())) -> Dict[str, float]:
+    """One-time process costs, paid here so that no row's first call carries them: importing
+    torch._dynamo (the first make_fx does), forward-AD's decompositions, inductor's first
+    compile.  Seconds per backend."""
+    x = torch.randn(2, 3)
+    out = {}
+    for backend in backends:
+        start = time.perf_counter()
+        fn = ft.compile(ft.vmap(ft.jacfwd(ft.jacrev(torch.sin))), backend=backend)
+        fn(x)
+        fn(x)
+        out[backend] = time.perf_counter() - start
+    return out
+
+
+def compile_columns(row: Row, backends) -> Dict[str, dict]:
+    """Each backend's compiled functrans callable, checked: ``{name: {"fn", "first_calls_s"}}``
+    or ``{name: {"error"}}``.  Adds nothing to ``row``."""
+    want = row.impls["torch.func"]()
+    out = {}
+    for name, backend in COMPILED.items():
+        if backend not in backends:
+            continue
+        try:
+            fn = ft.compile(row.impls["functrans"], backend=backend, strict=True)
+            start = time.perf_counter()
+            first = fn()
+            second = fn()
+            seconds = time.perf_counter() - start
+            info = fn.cache_info()
+            if info.eager_calls or info.misses != 1:
+                raise AssertionError(f"not compiled: {info.eager_calls} eager calls "
+                                     f"({info.eager_reason}), {info.misses} traces")
+            _assert_agree(first, want, row, name)
+            _assert_agree(second, want, row, name)
+            out[name] = {"fn": fn, "first_calls_s": seconds}
+        except Exception as e:                  # the cell fails, the row goes on
+            out[name] = {"error": _why(e)}
+    return out
+
+
+def run_anchor(w: Workload, device, rounds: int, min_time: float, timeout: float) -> dict:
+    """The torch.compile(torch.func) column, measured by benchmarks/anchor.py in a subprocess."""
+    cmd = [sys.executable, "-m", "benchmarks.anchor", w.id, "--device", str(device),
+           "--rounds", str(rounds), "--min-time", str(min_time)]
+    try:
+        proc = subprocess.run(cmd, cwd=README.parent, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:g} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines:
+        try:
+            return json.loads(lines[-1])
+        except ValueError:
+            pass
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]
+    return {"error": f"crashed (exit {proc.returncode}): {last}"}
+
+
+def _compiled_targets(w: Workload, r: dict) -> List[tuple]:
+    """``[(label, met)]`` for issue 15's targets that apply to this row (CPU)."""
+    out = []
+    c, anchor = r["compiled"], r.get("anchor")
+    replay, inductor = c.get("ft.compile replay", {}), c.get("ft.compile inductor", {})
+    if "ratio" in replay and w.replay_target is not None:
+        out.append((f"replay ≤ {w.replay_target:g}", replay["ratio"] <= w.replay_target))
+    if "first_calls_s" in replay and w.tier == "small" and "error" not in replay:
+        out.append((f"first calls < {FIRST_CALL_S:g} s", replay["first_calls_s"] < FIRST_CALL_S))
+    if anchor is not None and inductor:
+        if "ratio" in anchor:
+            if "ratio" in inductor:
+                out.append((f"inductor ≤ {INDUCTOR_VS_ANCHOR:g}× torch.compile",
+                             inductor["ratio"] <= INDUCTOR_VS_ANCHOR * anchor["ratio"]))
+        else:                                   # torch.compile fails: inductor must run
+            out.append(("inductor runs", "error" not in inductor))
+    return out
+
+
+def run_workload(w: Workload, device, rounds: int, min_time: float,
+                 backends=tuple(COMPILED.values()), anchor: bool = True,
+                 anchor_timeout: float = 600.0) -> dict:
     result = {"workload": w.name, "size": w.size, "tier": w.tier, "times": {}, "error": None,
-              "target": w.gpu_target if device.type == "cuda" else w.cpu_target}
+              "target": w.gpu_target if device.type == "cuda" else w.cpu_target,
+              "compiled": {}}
     try:
         row = w.build(device)
         check(row)
+        compiled = compile_columns(row, backends)
+        for name, col in compiled.items():
+            if "fn" in col:
+                row.impls[name] = col.pop("fn")
+        result["compiled"] = compiled
         result["times"] = measure(row, device, rounds, min_time)
     except Exception as e:                      # a failed row is reported, not raised
-        result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        result["error"] = _why(e)
         return result
+    t = result["times"]
+    for name, col in result["compiled"].items():
+        if name in t:
+            col["time"], col["ratio"] = t[name], t[name] / t["torch.func"]
+    if anchor:
+        result["anchor"] = run_anchor(w, device, rounds, min_time, anchor_timeout)
+    if device.type == "cpu":
+        result["compiled_targets"] = _compiled_targets(w, result)
     t = result["times"]
     result["ft/torch.func"] = t["functrans"] / t["torch.func"]
     result["loop/ft"] = t["loop"] / t["functrans"]
@@ -122,6 +235,56 @@ def _target(r: dict) -> str:
     if r["target"] is None:
         return "–"
     return f"≤ {r['target']:g} {'met' if r['met'] else 'MISSED'}"
+
+
+def _render(head: List[str], rows: List[List[str]], markdown: bool) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    widths = [max([len(h)] + [len(row[i]) for row in rows if i < len(row)])
+              for i, h in enumerate(head)]
+    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in rows])
+
+
+def _ratio_cell(col: Optional[dict], anchor: bool = False) -> str:
+    """The ratio; a functrans column that failed says FAILED, the anchor says how it failed."""
+    if col is None:
+        return "–"
+    if "error" in col:
+        return col["error"] if anchor else "FAILED: " + col["error"]
+    return _r(col["ratio"])
+
+
+def _r(ratio: float) -> str:
+    return f"{ratio:.3f}" if ratio < 0.1 else f"{ratio:.2f}"
+
+
+def format_compiled_table(results: List[dict], markdown: bool) -> str:
+    """The compiled columns: times, ratios over torch.func eager, first calls, targets."""
+    head = ["workload", "size", "torch.func ms", "replay ms", "inductor ms",
+            "replay / torch.func", "inductor / torch.func", f"{ANCHOR} / torch.func",
+            "inductor / torch.compile", "replay first calls ms", "inductor first calls s",
+            "torch.compile first calls s", "targets"]
+    rows = []
+    for r in results:
+        if r["error"]:
+            rows.append([r["workload"], r["size"], "FAILED: " + r["error"]])
+            continue
+        c, a = r["compiled"], r.get("anchor")
+        rep_, ind = c.get("ft.compile replay"), c.get("ft.compile inductor")
+        both = ind is not None and a is not None and "ratio" in ind and "ratio" in a
+        targets = r.get("compiled_targets") or []
+        rows.append([
+            r["workload"], r["size"], _ms(r["times"]["torch.func"]),
+            _ms(rep_.get("time")) if rep_ else "–", _ms(ind.get("time")) if ind else "–",
+            _ratio_cell(rep_), _ratio_cell(ind), _ratio_cell(a, anchor=True),
+            _r(ind["ratio"] / a["ratio"]) if both else "–",
+            _ms(rep_.get("first_calls_s")) if rep_ else "–",
+            f"{ind['first_calls_s']:.1f}" if ind and "first_calls_s" in ind else "–",
+            f"{a['first_calls_s']:.1f}" if a and "first_calls_s" in a else "–",
+            ", ".join(f"{label} {'met' if met else 'MISSED'}" for label, met in targets) or "–"])
+    return _render(head, rows, markdown)
 
 
 def format_table(results: List[dict], markdown: bool) -> str:
@@ -180,7 +343,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the raw results as JSON")
     ap.add_argument("--update-readme", action="store_true",
                     help="replace the README's table for this device kind with this run's")
+    ap.add_argument("--backends", default=",".join(COMPILED.values()),
+                    help="functrans.compile backends to time (comma-separated; '' for none)")
+    ap.add_argument("--no-anchor", action="store_true",
+                    help="skip the torch.compile(torch.func) column (a subprocess per row)")
+    ap.add_argument("--anchor-timeout", type=float, default=600.0,
+                    help="seconds one row's torch.compile subprocess may take")
     args = ap.parse_args(argv)
+    backends = tuple(b for b in args.backends.split(",") if b)
 
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -189,15 +359,34 @@ def main(argv=None) -> int:
     chosen = [w for w in WORKLOADS if args.filter.lower() in w.id.lower()
               and (args.tier is None or w.tier == args.tier)]
     print(describe(device), flush=True)
+    setup = warm_up(backends) if backends else {}
+    setup_line = ("One-time process setup before the rows (dynamo import, first make_fx, "
+                  "inductor's first compile), functrans.compile: " + ", ".join(
+                      f"{b} {s:.1f} s" for b, s in setup.items())) if setup else ""
+    if setup_line:
+        print(setup_line, flush=True)
     results = []
     for w in chosen:
-        r = run_workload(w, device, args.rounds, args.min_time)
+        r = run_workload(w, device, args.rounds, args.min_time, backends,
+                         anchor=not args.no_anchor, anchor_timeout=args.anchor_timeout)
         results.append(r)
-        status = r["error"] or f"ft/torch.func {r['ft/torch.func']:.2f}, loop/ft {r['loop/ft']:.1f}×"
+        status = r["error"] or (f"ft/torch.func {r['ft/torch.func']:.2f}, loop/ft "
+                                f"{r['loop/ft']:.1f}×; " + ", ".join(
+                                    f"{n} {_ratio_cell(c)}" for n, c in r["compiled"].items())
+                                + (f"; {ANCHOR} {_ratio_cell(r['anchor'], anchor=True)}"
+                                   if "anchor" in r else ""))
         print(f"  {w.id}: {status}", file=sys.stderr, flush=True)
     table = format_table(results, markdown=False)
     print(table)
+    compiled = any(r["compiled"] or "anchor" in r for r in results)
+    if compiled:
+        print("\nCompiled (ratios: steady-state time / torch.func eager)\n")
+        print(format_compiled_table(results, markdown=False))
     md = f"{describe(device)}\n\n{format_table(results, markdown=True)}"
+    if compiled:
+        md += (f"\n\nCompiled: functrans.compile (replay, inductor) and {ANCHOR} (inductor, "
+               f"whole call).{' ' + setup_line + '.' if setup_line else ''}\n\n"
+               f"{format_compiled_table(results, markdown=True)}")
     if args.markdown:
         Path(args.markdown).write_text(md + "\n")
     if args.json:
@@ -205,9 +394,15 @@ def main(argv=None) -> int:
                                               indent=1))
     if args.update_readme:
         update_readme(md, device)
-    failed = [r for r in results if r["error"]]
+    failed = [r for r in results if r["error"]
+              or any("error" in c for c in r["compiled"].values())]
     missed = [r for r in results if r.get("met") is False]
     print(f"\n{len(results)} rows: {len(results) - len(failed)} checked, {len(failed)} failed; "
           f"targets met {sum(1 for r in results if r.get('met'))}, missed {len(missed)}"
           + (": " + ", ".join(f"{r['workload']} [{r['size']}]" for r in missed) if missed else ""))
+    if compiled:
+        ct = [(r, label, met) for r in results for label, met in r.get("compiled_targets", [])]
+        cmissed = [f"{r['workload']} [{r['size']}] {label}" for r, label, met in ct if not met]
+        print(f"compiled targets met {len(ct) - len(cmissed)}, missed {len(cmissed)}"
+              + (": " + "; ".join(cmissed) if cmissed else ""))
     return 1 if failed else 0

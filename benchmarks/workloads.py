@@ -11,6 +11,13 @@ library.
 Tiers carry the issue's targets (functrans / torch.func on CPU): ``small`` <= 1.5,
 ``medium`` <= 1.0; ``large`` rows are reported without a CPU target.  On a GPU the target is
 <= 1.05 for rows whose batch is >= 256 (``gpu_target``).
+
+The compiled columns (``COMPILED``, built by benchmarks/table.py from the functrans callable,
+so no workload writes them) carry issue 15's targets, small and medium tiers: replay <= 1.0x
+torch.func eager, <= 0.5x on the overhead-bound workloads (``OVERHEAD_BOUND``), <= 0.7x on
+per-sample grads MLP and the NTK (``replay_target``); inductor <= 1.1x torch.compile over
+torch.func (``INDUCTOR_VS_ANCHOR``); the first calls (trace + first replay) under
+``FIRST_CALL_S`` seconds on small rows.
 """
 from __future__ import annotations
 
@@ -25,6 +32,16 @@ from torch import nn
 import functrans as ft
 
 IMPLS = ("functrans", "torch.func", "loop", "closed form")
+# functrans.compile(<the functrans callable>, backend=...) per backend; the anchor is
+# torch.compile(<the torch.func callable>) (inductor, the whole transformed call), measured in a
+# subprocess (benchmarks/anchor.py).
+COMPILED = {"ft.compile replay": "replay", "ft.compile inductor": "inductor"}
+ANCHOR = "torch.compile(torch.func)"
+OVERHEAD_BOUND = ("release-notes jacobian", "vmap(jacrev) MLP", "vmap(jacfwd) MLP", "hessian",
+                  "vmap(hessian)")
+REPLAY_07 = ("per-sample grads MLP", "empirical NTK")
+INDUCTOR_VS_ANCHOR = 1.1
+FIRST_CALL_S = 0.5
 LIBS = {"functrans": ft, "torch.func": torch.func}
 
 
@@ -50,6 +67,13 @@ class Workload:
     @property
     def cpu_target(self) -> Optional[float]:
         return {"small": 1.5, "medium": 1.0}.get(self.tier)
+
+    @property
+    def replay_target(self) -> Optional[float]:
+        """functrans.compile replay / torch.func eager, CPU, small and medium tiers."""
+        if self.tier not in ("small", "medium"):
+            return None
+        return 0.5 if self.name in OVERHEAD_BOUND else 0.7 if self.name in REPLAY_07 else 1.0
 
     @property
     def gpu_target(self) -> Optional[float]:
