@@ -132,12 +132,15 @@ class GraphCache:
         for entry in reversed(variants):
             stale = entry.stale()
             if stale is None:
-                with self.lock:         # counted under the lock: threads lose no hits
-                    self.hits += 1
+                self.note_hit()
                 return entry, None
             if why is None:
                 why = stale
         return None, why
+
+    def note_hit(self) -> None:
+        with self.lock:                 # counted under the lock: threads lose no hits
+            self.hits += 1
 
     def all_entries(self) -> List[Entry]:
         with self.lock:

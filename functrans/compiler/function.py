@@ -35,7 +35,8 @@ from .. import _levels
 from ..errors import CompileWarning, TransformArgumentError, UntraceableError, transform_call
 from . import backends, passes, tracer
 from .cache import CacheInfo, Entry, EntryInfo, GraphCache
-from .guards import Unguardable, call_key, describe_difference, dynamic_key, shape_guard
+from .guards import (Unguardable, call_key, describe_difference, dynamic_key,
+                     only_sizes_differ, shape_guard)
 
 _TRACE_LOCK = threading.RLock()
 _all_compiled: "weakref.WeakSet[CompiledFunction]" = weakref.WeakSet()
@@ -108,13 +109,13 @@ class CompiledFunction:
         if self._dynamic:
             entry = self._dynamic_hit(key, tensors)
             if entry is not None:
-                self._cache.hits += 1
+                self._cache.note_hit()
                 self._cache.put(entry, key)   # this exact key finds it directly next time
                 return entry.outputs(entry.run(tensors))
         latest = self._cache.latest()
         why = None if latest is None else describe_difference(latest.key, key)
-        if (why is not None and self.dynamic is None and self.backend == "replay"
-                and ": shape " in why):
+        if (latest is not None and self.dynamic is None and self.backend == "replay"
+                and only_sizes_differ(latest.key, key)):
             self._symbolic = True      # a second size: from now on, trace sizes symbolically
         out = self._miss(key, args, kwargs, tensors, why)
         if self._symbolic and self._eager_reason is None:
@@ -217,7 +218,6 @@ class CompiledFunction:
         """Inductor compiles on its first run: if that fails (before any kernel ran), the
         entry replays the graph from then on."""
         state = {"run": run, "checked": False}
-        replay = backends.replay.build(trace.graph_module, keep_autograd=trace.needs_autograd)
 
         def first_then(inputs):
             if state["checked"]:
@@ -229,8 +229,9 @@ class CompiledFunction:
                 warnings.warn(f"{self._api()}: inductor could not compile this graph "
                               f"({type(exc).__name__}: {exc}); it is replayed instead.",
                               CompileWarning, stacklevel=3)
-                state["run"] = replay
-                out = replay(inputs)
+                state["run"] = backends.replay.build(trace.graph_module,
+                                                     keep_autograd=trace.needs_autograd)
+                out = state["run"](inputs)
             state["checked"] = True
             return out
 

@@ -51,13 +51,24 @@ else:  # pragma: no cover - older torch
                 else torch.get_autocast_gpu_dtype())
 
 
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
 def ambient() -> tuple:
     """Grad mode, inference mode, default dtype, and for CPU and CUDA autocast False when off,
     else the dtype it casts to (a graph traced under bfloat16 autocast bakes in bfloat16)."""
+    if _any_autocast is not None and not _any_autocast():     # one call on every compiled call
+        return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                torch.get_default_dtype(), False, False)
     cpu = torch.is_autocast_enabled("cpu") and _autocast_dtype("cpu")
     cuda = torch.is_autocast_enabled("cuda") and _autocast_dtype("cuda")
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
             torch.get_default_dtype(), cpu, cuda)
+
+
+def is_tensor_part(part: Any) -> bool:
+    """Whether a part of a key's signature is a tensor's ``tensor_meta``."""
+    return type(part) is tuple and len(part) == 5 and isinstance(part[0], torch.Size)
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:
@@ -125,7 +136,7 @@ def dynamic_key(key: tuple) -> tuple:
     sig, amb = key
     out = []
     for part in sig:
-        if type(part) is tuple and len(part) == 5 and isinstance(part[0], torch.Size):
+        if is_tensor_part(part):
             shape, stride, dtype, device, rg = part
             expected, acc = [], 1
             for size in reversed(shape):
@@ -169,6 +180,12 @@ def object_arguments(args: tuple, kwargs: dict) -> tuple:
 AMBIENT_NAMES = ("grad mode", "inference mode", "default dtype", "CPU autocast", "CUDA autocast")
 
 
+def only_sizes_differ(old: tuple, new: tuple) -> bool:
+    """Whether two keys differ in tensor sizes or strides and in nothing else (the case a graph
+    with symbolic sizes serves)."""
+    return old != new and dynamic_key(old) == dynamic_key(new)
+
+
 def describe_difference(old: tuple, new: tuple) -> str:
     """In words, the first thing that differs between two keys of ``call_key``."""
     (osig, oamb), (nsig, namb) = old, new
@@ -180,8 +197,7 @@ def describe_difference(old: tuple, new: tuple) -> str:
         return "the structure of the arguments changed"
     tensor_i = -1
     for a, b in zip(osig, nsig):
-        a_tensor = type(a) is tuple and len(a) == 5 and isinstance(a[0], torch.Size)
-        b_tensor = type(b) is tuple and len(b) == 5 and isinstance(b[0], torch.Size)
+        a_tensor, b_tensor = is_tensor_part(a), is_tensor_part(b)
         if a_tensor:
             tensor_i += 1
         if a == b:

@@ -131,20 +131,28 @@ def clean(graph: fx.Graph, keep_autograd: bool) -> fx.Graph:
     return graph
 
 
+def writes_outside(gm: fx.GraphModule) -> "str | None":
+    """The first op that writes into an argument or a captured tensor (or a view of one), in
+    words; None when the graph writes only into tensors it made."""
+    outside = {n for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")}
+    for node in gm.graph.nodes:
+        if not any(a in outside for a in node.all_input_nodes):
+            continue
+        if _writes(node):
+            return f"it writes into an argument or a captured tensor ({node.target})"
+        if node.op == "call_function" and (node.target is operator.getitem or (
+                _is_op(node) and (node.target.is_view or node.target in _IDENTITIES))):
+            outside.add(node)
+    return None
+
+
 def unreplayable_twice(gm: fx.GraphModule) -> "str | None":
     """Why running ``gm`` an extra time would change what the caller sees (it writes into an
     input or a captured tensor, or draws random numbers); None when it would not."""
-    outside = {n for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")}
     for node in gm.graph.nodes:
         if _random(node):
             return f"it draws random numbers ({node.target})"
-        if _writes(node) and any(a in outside for a in node.all_input_nodes):
-            return f"it writes into an argument or a captured tensor ({node.target})"
-        if node.op == "call_function" and any(a in outside for a in node.all_input_nodes) and (
-                node.target is operator.getitem or (_is_op(node) and (
-                    node.target.is_view or node.target in _IDENTITIES))):
-            outside.add(node)
-    return None
+    return writes_outside(gm)
 
 
 def count_ops(graph: fx.Graph) -> int:

@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 import torch
 
 from .function import CompiledFunction, all_compiled, compile
-from .guards import AMBIENT_NAMES, ambient, call_key
+from .guards import AMBIENT_NAMES, ambient, call_key, is_tensor_part
 
 
 @dataclass
@@ -71,7 +71,7 @@ def _describe_key(key) -> List[str]:
     out = []
     tensor_i = 0
     for part in sig:
-        if type(part) is tuple and len(part) == 5 and isinstance(part[0], torch.Size):
+        if is_tensor_part(part):
             shape, stride, dtype, device, rg = part
             out.append(f"tensor {tensor_i}: shape {tuple(shape)}, strides {tuple(stride)}, "
                        f"{dtype}, {device}, requires_grad={rg}")
@@ -83,8 +83,7 @@ def _describe_key(key) -> List[str]:
             out.append(f"value {part[1]!r} ({part[0].__name__})")
         else:
             out.append(f"structure {part}")
-    names = AMBIENT_NAMES
-    out += [f"{n}: {v}" for n, v in zip(names, amb)]
+    out += [f"{n}: {v}" for n, v in zip(AMBIENT_NAMES, amb)]
     return out
 
 

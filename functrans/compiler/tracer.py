@@ -22,6 +22,7 @@ Imports: compiler.guards.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -45,6 +46,13 @@ _READ_BACK = {torch.Tensor.tolist: ".tolist()", torch.Tensor.numpy: ".numpy()",
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,)) + (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
     os.path.dirname(os.path.abspath(threading.__file__)) + os.sep)
+
+
+def _no_duck_sizes():
+    import torch.fx.experimental._config as shape_config
+    if hasattr(shape_config, "use_duck_shape"):
+        return shape_config.patch(use_duck_shape=False)
+    return contextlib.nullcontext()   # pragma: no cover - older torch
 
 
 def tracing() -> bool:
@@ -193,7 +201,11 @@ def trace(fn, args: tuple, kwargs: dict, tensors: List[torch.Tensor], *,
     gc.disable()     # make_fx makes many short-lived objects: the collector cost ~20% of a trace
     try:
         if symbolic:
-            gm = make_fx(flat, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*tensors)
+            # no duck sizing: a batch of 2 beside a feature dim of 2 must not tie the two
+            # sizes together (one graph per such coincidence)
+            with _no_duck_sizes():
+                gm = make_fx(flat, tracing_mode="symbolic",
+                             _allow_non_fake_inputs=True)(*tensors)
         else:
             gm = make_fx(flat, tracing_mode="real")(*tensors)
     finally:

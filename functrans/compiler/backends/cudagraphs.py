@@ -9,7 +9,7 @@ run before capture would apply that write once more).  Warm-up runs on a side st
 random generators forked.  Otherwise ``unavailable`` is raised with the reason and the compiled
 function replays the graph instead.
 
-Imports: compiler.backends.replay.
+Imports: compiler.passes, compiler.backends.replay.
 """
 from __future__ import annotations
 
@@ -18,21 +18,8 @@ from typing import Callable, List
 import torch
 import torch.fx as fx
 
+from .. import passes
 from . import replay
-
-
-def _writes_outside(gm: fx.GraphModule) -> bool:
-    outside = {n for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-                and node.target._schema.is_mutable:
-            if any(a in outside or a.op != "call_function" for a in node.all_input_nodes):
-                return True
-            outside.add(node)
-        elif node.op == "call_function" and any(a in outside for a in node.all_input_nodes) \
-                and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
-            outside.add(node)
-    return False
 
 
 def build(gm: fx.GraphModule, inputs: List[torch.Tensor], needs_autograd: bool,
@@ -45,8 +32,9 @@ def build(gm: fx.GraphModule, inputs: List[torch.Tensor], needs_autograd: bool,
                           f"(got {sorted(str(d) for d in devices) or 'no tensor'})")
     if needs_autograd:
         raise unavailable("outputs need an autograd graph (a CUDA graph records no backward)")
-    if _writes_outside(gm):
-        raise unavailable("the graph writes into an input or a captured tensor")
+    writes = passes.writes_outside(gm)
+    if writes is not None:
+        raise unavailable(f"the graph cannot be warmed up before capture: {writes}")
     run_graph = replay.build(gm, keep_autograd=False)
     device = next(iter(devices))
     static_inputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
