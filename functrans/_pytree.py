@@ -1,18 +1,65 @@
-"""Pytree helpers for the transforms: leaf paths and broadcasting of in_dims/out_dims prefixes.
+"""Pytree helpers for the transforms: flattening, leaf paths and broadcasting of in_dims/out_dims
+prefixes.
 
 Uses ``torch.utils._pytree``, so custom nodes registered there work everywhere.
+``tree_flatten``/``tree_unflatten`` answer the trees every transform call flattens several times
+(a tensor, a tuple or list of tensors) without walking them: PyTorch's walk costs about 7 us per
+call, several times per transform call (issue 16's profiles).  The specs they return are
+PyTorch's own, so either function accepts the other's.
 
 Imports: nothing (torch.utils._pytree only).
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, Dict, List, Tuple
 
+import torch
 import torch.utils._pytree as pytree
 
-tree_flatten = pytree.tree_flatten
-tree_unflatten = pytree.tree_unflatten
 _is_leaf = getattr(pytree, "tree_is_leaf", None) or pytree._is_leaf
+_flatten = pytree.tree_flatten
+_unflatten = pytree.tree_unflatten
+_Tensor = torch.Tensor
+_NODES = pytree.SUPPORTED_NODES
+_LEAF_SPEC = _flatten(0)[1]
+# (container type, length) -> PyTorch's spec of a flat container of that many leaves, and the
+# ids of those specs -> their container type, for the way back.
+_FLAT_SPECS: Dict[Tuple[type, int], Any] = {}
+_FLAT_TYPES: Dict[int, type] = {}
+
+
+def _flat_spec(kind: type, n: int):
+    spec = _FLAT_SPECS.get((kind, n))
+    if spec is None:
+        spec = _flatten(kind(range(n)))[1]
+        _FLAT_SPECS[(kind, n)] = spec
+        _FLAT_TYPES[id(spec)] = kind
+    return spec
+
+
+def tree_flatten(tree: Any):
+    """``torch.utils._pytree.tree_flatten``, with a tensor and a flat tuple or list of tensors
+    answered directly."""
+    t = type(tree)
+    if t is tuple or t is list:
+        if len(tree) < 16:
+            for x in tree:
+                if not isinstance(x, _Tensor) or type(x) in _NODES:
+                    return _flatten(tree)
+            return list(tree), _flat_spec(t, len(tree))
+    elif isinstance(tree, _Tensor) and t not in _NODES:
+        return [tree], _LEAF_SPEC
+    return _flatten(tree)
+
+
+def tree_unflatten(leaves, spec):
+    """``torch.utils._pytree.tree_unflatten`` (the inverse of ``tree_flatten``)."""
+    kind = _FLAT_TYPES.get(id(spec))
+    if kind is not None and len(leaves) == spec.num_leaves:
+        return kind(leaves)
+    if spec is _LEAF_SPEC and len(leaves) == 1:
+        return leaves[0]
+    return _unflatten(leaves, spec)
 
 
 def leaf_paths(tree: Any, root: str) -> List[str]:
