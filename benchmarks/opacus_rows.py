@@ -44,7 +44,7 @@ from .workloads import Row
 
 OPACUS_VERSION = "1.6.0"
 MISSING = (f"opacus is not installed (bash scripts/setup.sh bench, or .venv/bin/pip install "
-           f"--no-deps opacus=={OPACUS_VERSION} scipy opt_einsum)")
+           f"--no-deps opacus=={OPACUS_VERSION} scipy opt_einsum)")   # scripts/setup.sh's pin
 NOISE_MULTIPLIER = 1.0
 MAX_GRAD_NORM = 1.0
 LR = 0.05

@@ -451,8 +451,8 @@ WORKLOADS: List[Workload] = [
     _w("empirical NTK", "N=64", "medium", functools.partial(_ntk, 64)),
     _w("100-op chain (dispatch overhead)", "B=8", "small", functools.partial(_dispatch_overhead, 8)),
     _w("100-op chain (dispatch overhead)", "B=256", "medium", functools.partial(_dispatch_overhead, 256), 256),
-    _w("Opacus step CNN", "B=64", "small", functools.partial(_opacus_step, "CNN", 64),
+    _w("Opacus step CNN", "B=64", "small", functools.partial(_opacus_step, "CNN", 64), 64,
        target=1.0, requires="opacus", compiled=False),
-    _w("Opacus step LSTM", "B=32 T=16", "small", functools.partial(_opacus_step, "LSTM", 32),
+    _w("Opacus step LSTM", "B=32 T=16", "small", functools.partial(_opacus_step, "LSTM", 32), 32,
        target=1.0, requires="opacus", compiled=False),
 ]
