@@ -6,7 +6,7 @@ gradients in opacus/grad_sample/functorch.py: ``prepare_layer`` builds, once per
 ``vmap(grad(loss), in_dims=(None, 0, 0))`` from the module-level names ``vmap`` and ``grad``
 (imported from torch.func) over a stateless copy of the layer made by ``make_functional`` (which
 calls ``torch.func.functional_call``), and the backward hooks call it on the layer's captured
-activations and backprops.  ``functrans_engine()`` points those three names at functrans for
+activations and backprops.  ``FunctransEngine()`` points those three names at functrans for
 the duration of a ``with`` block and puts Opacus's own back afterwards; it edits no Opacus file.
 Because ``prepare_layer`` binds the names when the ``GradSampleModule`` is built, the functrans
 model is built inside the block and each of its timed steps runs inside it too; the torch.func
@@ -24,13 +24,12 @@ mode, its hand-written per-layer grad samplers (einsum closed forms; no vmap).
 Workloads: a small CNN (conv, relu, max-pool, linear; 1x28x28 inputs, B=64) and a DPLSTM
 (Opacus's LSTM made of ``RNNLinear`` layers, whose hooks run once per time step; input 16,
 hidden 32, B=32, sequence 16) with a linear head on the last step.  Opacus is optional: without
-it the rows are reported as skipped (``MISSING``).
+it benchmarks/table.py reports the rows as skipped, with ``MISSING`` as the reason.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 import warnings
 from typing import Callable, Dict, Optional
 
@@ -48,11 +47,6 @@ MISSING = (f"opacus is not installed (bash scripts/setup.sh bench, or .venv/bin/
 NOISE_MULTIPLIER = 1.0
 MAX_GRAD_NORM = 1.0
 LR = 0.05
-
-
-def opacus_missing() -> Optional[str]:
-    """None when opacus can be imported, else the one-line reason the rows are skipped."""
-    return None if importlib.util.find_spec("opacus") is not None else MISSING
 
 
 def _ft_make_functional(mod: nn.Module, disable_autograd_tracking: bool = False):
@@ -109,10 +103,6 @@ class FunctransEngine:
         return False
 
 
-def functrans_engine() -> FunctransEngine:
-    return FunctransEngine()
-
-
 class OpacusCNN(nn.Module):
     """The small MNIST-like CNN (no buffers, as Opacus requires)."""
 
@@ -151,7 +141,7 @@ def _step_fn(model: nn.Module, xs, ys, engine: Optional[str], batch: int
     from opacus.optimizers import DPOptimizer
 
     model = copy.deepcopy(model)
-    ctx = functrans_engine() if engine == "functrans" else contextlib.nullcontext()
+    ctx = FunctransEngine() if engine == "functrans" else contextlib.nullcontext()
     with ctx:
         gsm = GradSampleModule(model, force_functorch=engine is not None)
     gen = torch.Generator(device=xs.device)
