@@ -7,13 +7,15 @@ Each workload is checked once (no loop fallback, every implementation equal to t
 before any of its implementations is timed; so are its compiled forms (``functrans.compile``
 with the replay and inductor backends, each checked equal to torch.func and not running
 eagerly), which are timed after their first calls.  The torch.compile(torch.func) anchor is
-in ``python -m benchmarks`` only (it runs in a subprocess per row).  pytest-benchmark times
+in ``python -m benchmarks`` only (it runs in a subprocess per row).  A workload whose
+optional package is missing (the Opacus rows) is skipped with the reason; one with
+``compiled=False`` has no compiled forms.  pytest-benchmark times
 the implementations one after another; for ratios measured interleaved in one process, use
 ``python -m benchmarks`` (``make bench``), which prints the table the README shows.
 """
 import pytest
 
-from .table import check, compile_columns
+from .table import check, compile_columns, skip_reason
 from .workloads import COMPILED, IMPLS, WORKLOADS
 
 _rows = {}
@@ -24,7 +26,8 @@ def _row(workload, device):
         row = workload.build(device)
         check(row)
         errors = {}
-        for name, col in compile_columns(row, tuple(COMPILED.values())).items():
+        backends = tuple(COMPILED.values()) if workload.compiled else ()
+        for name, col in compile_columns(row, backends).items():
             if "fn" in col:
                 row.impls[name] = col["fn"]
             else:
@@ -38,6 +41,9 @@ CASES = [(w, impl) for w in WORKLOADS for impl in IMPLS + tuple(COMPILED)]
 
 @pytest.mark.parametrize("workload,impl", CASES, ids=[f"{w.id}-{impl}" for w, impl in CASES])
 def test_workload(benchmark, device, workload, impl):
+    reason = skip_reason(workload)
+    if reason:
+        pytest.skip(reason)
     row, errors = _row(workload, device)
     if impl in errors:
         pytest.fail(f"{impl}: {errors[impl]}")

@@ -27,11 +27,17 @@ cell.  Ratios are steady-state times over torch.func eager measured in the same 
 first calls (trace or compile, plus the first replay) are reported per row, after one warm-up
 per process (importing dynamo, the first make_fx, inductor's first compile) reported apart.
 ``--no-anchor`` skips the subprocess column, ``--backends replay`` the inductor one.
+
+A row that needs an optional package that is missing (the Opacus rows, benchmarks/opacus_rows.py)
+is printed as SKIPPED with the reason and how to install it; it neither fails nor counts as
+checked.  Rows without a Python loop (the Opacus rows) show "–" in the loop columns, and rows
+whose workload has ``compiled=False`` are left out of the compiled table.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import platform
@@ -189,12 +195,26 @@ def _compiled_targets(w: Workload, r: dict) -> List[tuple]:
     return out
 
 
+def skip_reason(w: Workload) -> Optional[str]:
+    """Why ``w`` cannot run here (an optional package it needs is missing), or None."""
+    if w.requires is None or importlib.util.find_spec(w.requires) is not None:
+        return None
+    if w.requires == "opacus":
+        from .opacus_rows import MISSING
+        return MISSING
+    return f"{w.requires} is not installed"
+
+
 def run_workload(w: Workload, device, rounds: int, min_time: float,
                  backends=tuple(COMPILED.values()), anchor: bool = True,
                  anchor_timeout: float = 600.0) -> dict:
     result = {"workload": w.name, "size": w.size, "tier": w.tier, "times": {}, "error": None,
               "target": w.gpu_target if device.type == "cuda" else w.cpu_target,
-              "compiled": {}}
+              "compiled": {}, "skipped": skip_reason(w), "compiles": w.compiled}
+    if result["skipped"]:
+        return result
+    if not w.compiled:
+        backends, anchor = (), False
     try:
         row = w.build(device)
         check(row)
@@ -217,7 +237,8 @@ def run_workload(w: Workload, device, rounds: int, min_time: float,
         result["compiled_targets"] = _compiled_targets(w, result)
     t = result["times"]
     result["ft/torch.func"] = t["functrans"] / t["torch.func"]
-    result["loop/ft"] = t["loop"] / t["functrans"]
+    if "loop" in t:
+        result["loop/ft"] = t["loop"] / t["functrans"]
     if "closed form" in t:
         result["ft/closed form"] = t["functrans"] / t["closed form"]
     result["met"] = None if result["target"] is None else result["ft/torch.func"] <= result["target"]
@@ -268,6 +289,8 @@ def format_compiled_table(results: List[dict], markdown: bool) -> str:
             "torch.compile first calls s", "targets"]
     rows = []
     for r in results:
+        if r.get("skipped") or not r.get("compiles", True):
+            continue
         if r["error"]:
             rows.append([r["workload"], r["size"], "FAILED: " + r["error"]])
             continue
@@ -292,15 +315,18 @@ def format_table(results: List[dict], markdown: bool) -> str:
             "ft / torch.func", "loop / ft", "ft / closed", "target (ft / torch.func)"]
     rows = []
     for r in results:
+        if r.get("skipped"):
+            rows.append([r["workload"], r["size"], "SKIPPED: " + r["skipped"]] + [""] * 7)
+            continue
         if r["error"]:
             rows.append([r["workload"], r["size"], "FAILED: " + r["error"]] + [""] * 7)
             continue
         t = r["times"]
         rows.append([r["workload"], r["size"], _ms(t["functrans"]), _ms(t["torch.func"]),
-                     _ms(t["loop"]), _ms(t.get("closed form")), f"{r['ft/torch.func']:.2f}",
-                     f"{r['loop/ft']:.1f}×",
+                     _ms(t.get("loop")), _ms(t.get("closed form")), f"{r['ft/torch.func']:.2f}",
+                     f"{r['loop/ft']:.1f}×" if "loop/ft" in r else "–",
                      f"{r['ft/closed form']:.2f}" if "ft/closed form" in r else "–", _target(r)])
-    ok = [row for row in rows if not row[2].startswith("FAILED")]
+    ok = [row for row in rows if not row[2].startswith(("FAILED", "SKIPPED"))]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(row if row in ok else row[:3]) + " |" for row in rows]
@@ -370,11 +396,14 @@ def main(argv=None) -> int:
         r = run_workload(w, device, args.rounds, args.min_time, backends,
                          anchor=not args.no_anchor, anchor_timeout=args.anchor_timeout)
         results.append(r)
-        status = r["error"] or (f"ft/torch.func {r['ft/torch.func']:.2f}, loop/ft "
-                                f"{r['loop/ft']:.1f}×; " + ", ".join(
-                                    f"{n} {_ratio_cell(c)}" for n, c in r["compiled"].items())
-                                + (f"; {ANCHOR} {_ratio_cell(r['anchor'], anchor=True)}"
-                                   if "anchor" in r else ""))
+        status = r["skipped"] or r["error"]
+        if not status:
+            loop = f", loop/ft {r['loop/ft']:.1f}×" if "loop/ft" in r else ""
+            cells = [f"{n} {_ratio_cell(c)}" for n, c in r["compiled"].items()]
+            if "anchor" in r:
+                cells.append(f"{ANCHOR} {_ratio_cell(r['anchor'], anchor=True)}")
+            status = f"ft/torch.func {r['ft/torch.func']:.2f}{loop}" + "".join(
+                "; " + c for c in cells)
         print(f"  {w.id}: {status}", file=sys.stderr, flush=True)
     table = format_table(results, markdown=False)
     print(table)
@@ -397,7 +426,9 @@ def main(argv=None) -> int:
     failed = [r for r in results if r["error"]
               or any("error" in c for c in r["compiled"].values())]
     missed = [r for r in results if r.get("met") is False]
-    print(f"\n{len(results)} rows: {len(results) - len(failed)} checked, {len(failed)} failed; "
+    skipped = [r for r in results if r.get("skipped")]
+    print(f"\n{len(results)} rows: {len(results) - len(failed) - len(skipped)} checked, "
+          f"{len(failed)} failed, {len(skipped)} skipped; "
           f"targets met {sum(1 for r in results if r.get('met'))}, missed {len(missed)}"
           + (": " + ", ".join(f"{r['workload']} [{r['size']}]" for r in missed) if missed else ""))
     if compiled:

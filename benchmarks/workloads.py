@@ -9,7 +9,10 @@ The functrans and torch.func versions share their code: a workload takes the tra
 library.
 
 Tiers carry the issue's targets (functrans / torch.func on CPU): ``small`` <= 1.5,
-``medium`` <= 1.0; ``large`` rows are reported without a CPU target.  On a GPU the target is
+``medium`` <= 1.0; ``large`` rows are reported without a CPU target; a workload's own
+``target`` replaces its tier's (the Opacus rows: <= 1.0).  A workload that ``requires`` an
+optional package is reported as skipped, with the reason, when the package is missing; one with
+``compiled=False`` has no compiled columns.  On a GPU the target is
 <= 1.05 for rows whose batch is >= 256 (``gpu_target``).
 
 The compiled columns (``COMPILED``, built by benchmarks/table.py from the functrans callable,
@@ -59,6 +62,9 @@ class Workload:
     tier: str                   # "small" | "medium" | "large"
     build: Callable[[torch.device], Row]
     batch: Optional[int] = None  # the batch a GPU target keys on
+    target: Optional[float] = None  # a CPU target of its own, in place of the tier's
+    requires: Optional[str] = None  # an optional package the row needs; skipped without it
+    compiled: bool = True           # whether the compiled columns apply to this row
 
     @property
     def id(self) -> str:
@@ -66,6 +72,8 @@ class Workload:
 
     @property
     def cpu_target(self) -> Optional[float]:
+        if self.target is not None:
+            return self.target
         return {"small": 1.5, "medium": 1.0}.get(self.tier)
 
     @property
@@ -405,8 +413,17 @@ def _dispatch_overhead(batch: int, device) -> Row:
                 "closed form": closed_form})
 
 
-def _w(name, size, tier, build, batch=None):
-    return Workload(name, size, tier, build, batch)
+# (h) Opacus's DP training step with functrans as its per-sample-gradient engine, beside torch.func
+# (benchmarks/opacus_rows.py; needs the optional package opacus, imported only when built).  The
+# step runs hooks, an optimizer and random noise, so the compiled columns do not apply.
+
+def _opacus_step(kind: str, batch: int, device) -> Row:
+    from .opacus_rows import opacus_row
+    return opacus_row(kind, batch, device)
+
+
+def _w(name, size, tier, build, batch=None, **kw):
+    return Workload(name, size, tier, build, batch, **kw)
 
 
 WORKLOADS: List[Workload] = [
@@ -434,4 +451,8 @@ WORKLOADS: List[Workload] = [
     _w("empirical NTK", "N=64", "medium", functools.partial(_ntk, 64)),
     _w("100-op chain (dispatch overhead)", "B=8", "small", functools.partial(_dispatch_overhead, 8)),
     _w("100-op chain (dispatch overhead)", "B=256", "medium", functools.partial(_dispatch_overhead, 256), 256),
+    _w("Opacus step CNN", "B=64", "small", functools.partial(_opacus_step, "CNN", 64), 64,
+       target=1.0, requires="opacus", compiled=False),
+    _w("Opacus step LSTM", "B=32 T=16", "small", functools.partial(_opacus_step, "LSTM", 32), 32,
+       target=1.0, requires="opacus", compiled=False),
 ]

@@ -14,7 +14,12 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   "$VPY" -m pip install -q torch==2.13.0
 fi
 extra=${1:-}
-if [ -n "$extra" ]; then
+if [ "$extra" = "bench" ]; then
+  # The benchmark extra: dev, plus Opacus for the benchmark's Opacus rows.  Everything --no-deps
+  # (opacus pinned) so pip never resolves torch; scipy and opt_einsum need only numpy, already here.
+  "$VPY" -m pip install -q -e ".[dev]"
+  "$VPY" -m pip install -q --no-deps opacus==1.6.0 "scipy>=1.2" "opt_einsum>=3.3"
+elif [ -n "$extra" ]; then
   "$VPY" -m pip install -q -e ".[$extra]"
 else
   "$VPY" -m pip install -q -e .

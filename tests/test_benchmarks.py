@@ -1,6 +1,9 @@
 """The benchmark workloads stay correct: every small-tier row passes the check that the bench
 command runs before timing (no loop fallback; every implementation equal to torch.func), and the
-table and README update work.  The compiled columns are exercised on the smallest hessian row with
+table and README update work.  The Opacus rows (Opacus's DP training step with functrans as its
+per-sample-gradient engine, beside torch.func) are checked the same way when opacus is installed,
+and skip with the reason otherwise; a row whose optional package is missing is printed as
+SKIPPED, never silently dropped.  The compiled columns are exercised on the smallest hessian row with
 the replay backend only (inductor compiles take seconds); the torch.compile anchor's subprocess
 is replaced by a fake that crashes.  Timing itself is never asserted here (see benchmarks/)."""
 import pytest
@@ -10,13 +13,15 @@ from benchmarks import table
 from benchmarks.workloads import IMPLS, WORKLOADS
 
 SMALL = [w for w in WORKLOADS if w.tier == "small"]
+CORE_SMALL = [w for w in SMALL if w.requires is None]
+OPACUS = [w for w in WORKLOADS if w.requires == "opacus"]
 
 
 def test_every_workload_name_has_a_small_row():
     assert {w.name for w in SMALL} == {w.name for w in WORKLOADS}
 
 
-@pytest.mark.parametrize("workload", SMALL, ids=lambda w: w.id)
+@pytest.mark.parametrize("workload", CORE_SMALL, ids=lambda w: w.id)
 def test_small_row_is_checked_without_fallback(workload):
     row = workload.build(torch.device("cpu"))
     assert {"functrans", "torch.func", "loop"} <= set(row.impls) <= set(IMPLS)
@@ -100,3 +105,66 @@ def test_a_crashing_anchor_costs_one_cell(monkeypatch):
     r["compiled_targets"] = table._compiled_targets(w, r)
     assert ("inductor runs", True) in r["compiled_targets"]
     assert "crashed (exit -6)" in table.format_compiled_table([r], markdown=False)
+
+
+def test_opacus_rows_are_listed_with_their_target():
+    assert [w.name for w in OPACUS] == ["Opacus step CNN", "Opacus step LSTM"]
+    assert all(w.cpu_target == 1.0 and not w.compiled for w in OPACUS)
+
+
+@pytest.mark.parametrize("workload", OPACUS, ids=lambda w: w.id)
+def test_opacus_row_runs_on_functrans_and_matches_torch_func(workload):
+    """functrans really computes Opacus's per-sample gradients (its calls are counted), the
+    step's per-sample gradients and updated parameters equal torch.func's and Opacus's own
+    grad samplers', and Opacus's module attributes are back to torch.func's afterwards."""
+    pytest.importorskip("opacus", reason=table.skip_reason(workload) or "opacus is missing")
+    from opacus.grad_sample import functorch as ofunctorch
+    before = {n: getattr(ofunctorch, n) for n in ("vmap", "grad", "make_functional")}
+    row = workload.build(torch.device("cpu"))
+    assert set(row.impls) == {"functrans", "torch.func", "closed form"}
+    engine = row.impls["functrans"].engine
+    calls = engine.calls
+    table.check(row)
+    assert engine.calls > calls
+    assert {n: getattr(ofunctorch, n) for n in before} == before
+    out = row.impls["torch.func"]()
+    assert out["grad_sample"].keys() == out["params"].keys() and all(
+        g.shape[0] == workload.batch for g in out["grad_sample"].values())
+
+
+def test_opacus_engine_restores_opacus_on_error():
+    pytest.importorskip("opacus", reason="opacus is not installed")
+    from opacus.grad_sample import functorch as ofunctorch
+
+    from benchmarks.opacus_rows import FunctransEngine
+    vmap = ofunctorch.vmap
+    with pytest.raises(ValueError, match="inside"):
+        with FunctransEngine():
+            assert ofunctorch.vmap is not vmap
+            raise ValueError("inside")
+    assert ofunctorch.vmap is vmap
+
+
+def test_opacus_row_in_the_table():
+    pytest.importorskip("opacus", reason="opacus is not installed")
+    w = OPACUS[0]
+    r = table.run_workload(w, torch.device("cpu"), rounds=1, min_time=0.0)
+    assert r["error"] is None and r["skipped"] is None
+    assert set(r["times"]) == {"functrans", "torch.func", "closed form"}
+    assert r["compiled"] == {} and "anchor" not in r and "loop/ft" not in r
+    line = table.format_table([r], markdown=False).splitlines()[2]
+    assert line.startswith("Opacus step CNN") and " – " in line
+    assert table.format_compiled_table([r], markdown=True).count("\n") == 1   # header only
+
+
+def test_a_row_whose_package_is_missing_is_skipped_with_the_reason(monkeypatch, capsys):
+    real = table.importlib.util.find_spec
+    monkeypatch.setattr(table.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "opacus" else real(name, *a))
+    r = table.run_workload(OPACUS[0], torch.device("cpu"), rounds=1, min_time=0.0)
+    assert r["skipped"].startswith("opacus is not installed (bash scripts/setup.sh bench")
+    assert "SKIPPED: opacus is not installed" in table.format_table([r], markdown=True)
+    assert table.main(["--filter", "Opacus", "--backends", "", "--no-anchor"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("SKIPPED: opacus is not installed") == 2
+    assert "2 rows: 0 checked, 0 failed, 2 skipped" in out
