@@ -10,10 +10,10 @@ test:
 	bash scripts/test.sh
 
 bench:            ## the benchmark table: functrans | torch.func | loop | closed form (~5 min)
-	bash scripts/setup.sh dev && $(PY) -m benchmarks
+	bash scripts/setup.sh bench && $(PY) -m benchmarks
 
 bench-readme:     ## the same, and write the table into README.md
-	bash scripts/setup.sh dev && $(PY) -m benchmarks --update-readme
+	bash scripts/setup.sh bench && $(PY) -m benchmarks --update-readme
 
 bench-pytest:     ## the same workloads under pytest-benchmark
 	bash scripts/setup.sh dev && $(PY) -m pytest benchmarks/bench_workloads.py -p no:cacheprovider
