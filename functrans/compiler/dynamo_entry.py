@@ -94,11 +94,19 @@ def _apply(factory, fargs, fkwargs, *args, **kwargs):
 
 
 def _run(static: _Static, args, kwargs):
+    from torch._subclasses.fake_tensor import fake_tensor_tls
     prev = getattr(_tls, "inside", False)
     _tls.inside = True
+    # Under Dynamo's and AOTAutograd's fake tensors, nonstrict_trace lets a real tensor the
+    # function reads from a global or a closure into the graph as a constant: a rebinding of
+    # that name would then be silently stale.  Refused here (FakeTensorMode raises on a real
+    # tensor), so Dynamo graph-breaks and the transform runs eagerly, reading it afresh.
+    allow = getattr(fake_tensor_tls, "allow_non_fake_inputs_override", None)
+    fake_tensor_tls.allow_non_fake_inputs_override = None if allow is None else False
     try:
         return static.fn(*args, **kwargs)
     finally:
+        fake_tensor_tls.allow_non_fake_inputs_override = allow
         _tls.inside = prev
 
 
