@@ -27,22 +27,20 @@ from a global or a closure is guarded by identity, so rebinding it recompiles).
 ``pytree.register_constant`` would need the object to exist before the compiled region, which a
 ``vmap(grad(loss))`` written inside it does not.
 
-Limits (each is either compiled exactly, or left to eager, never wrong):
-- the static configuration must be a Python constant for Dynamo.  A function made inside the
-  compiled region that closes over a tensor is not: Dynamo graph-breaks on the call (with
-  ``fullgraph=True`` it raises, naming ``nonstrict_trace``) and the transform runs eagerly.
-  The entry's body is ``torch._dynamo.disable``-d, so that eager run is never traced by Dynamo.
-- tensors the function reads from globals or from closures made outside the compiled region
-  are graph constants (``nonstrict_trace``'s contract): the graph holds the tensor object, so
-  in-place updates are seen, but rebinding the name to another tensor is not.  Those reads are
-  found while AOTAutograd traces (``_refuse_captured``) and refused with an error that says to
-  pass the tensor as an argument; ``nn.Module`` parameters and buffers (``functional_call``)
-  are the exception — a module is always updated in place by optimizers and by
-  ``load_state_dict``, and its tensors are read through the module at each call.
-- ``vjp``: ``(out, vjp_fn)`` works when ``vjp_fn`` is called inside the same compiled region:
-  ``vjp_fn(ct)`` is a second opaque call that recomputes the forward and pulls ``ct`` back (one
-  more forward than eager, all inside one graph).  ``linearize`` has no route: Dynamo
-  graph-breaks on it and it runs eagerly.
+Limits (each is compiled exactly, left to eager, or refused with an error; never wrong):
+- a function made inside the compiled region that closes over a tensor of the region is not a
+  Python constant: Dynamo raises ``ClosureConversionError`` on the call (pass the tensor as an
+  argument, or define the function outside the region).
+- a tensor the function reads from a global, a closure made outside the region or a module
+  (``functional_call``'s buffers) would be a graph constant under ``nonstrict_trace`` (a
+  rebinding of the name silently stale).  ``_run`` refuses it while Dynamo's fake tensors run
+  the call (FakeTensorMode raises on a real tensor), so Dynamo graph-breaks there
+  (``fullgraph=True`` raises) and the transform runs eagerly, reading the tensor afresh.  The
+  body is ``torch._dynamo.disable``-d, so that eager run is never traced by Dynamo.
+- ``vjp``: ``vjp_fn(ct)`` is a second opaque call that recomputes the forward and pulls ``ct``
+  back (one more forward than eager; inside the region, in the same graph; a ``vjp_fn``
+  returned from the region runs eagerly).  ``linearize`` is not routed (not done): Dynamo
+  traces into the engine as it did before this module (graph breaks, then eager).
 - randomness: ``vmap(..., randomness='different'|'same')`` draws through the graph's random ops
   (AOTAutograd functionalizes the generator), so each call draws fresh numbers with the right
   distribution; 'same' draws once per call, shared by the batch (tested by
