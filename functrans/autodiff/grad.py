@@ -5,7 +5,8 @@ The gradient is taken with ``torch.autograd.grad`` w.r.t. fresh aliases of the c
 differentiable.  An outer ``torch.no_grad()`` is overridden (the transform still differentiates);
 a ``torch.no_grad()`` inside the function is respected.
 
-Imports: _pytree, errors, _differentiable, exact_norms.
+Imports: _pytree, errors, _differentiable, exact_norms, compiler.dynamo_entry (the route inside
+torch.compile).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Callable
 import torch
 
 from .._pytree import tree_flatten, tree_unflatten
+from ..compiler import dynamo_entry
 from ..errors import TransformArgumentError, transform_call
 from .exact_norms import autodiff_level
 from ._differentiable import (Argnums, connected_outside, detach_tree, gradients,
@@ -27,6 +29,9 @@ def grad_and_value(func: Callable, argnums: Argnums = 0, has_aux: bool = False) 
     (``((gradient, (value, aux))`` with ``has_aux``)."""
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling() and dynamo_entry.active():  # inside torch.compile
+            return dynamo_entry.call_transform(grad_and_value, (func, argnums, has_aux), {},
+                                               args, kwargs)
         g, value, aux = grad_and_value_impl(func, argnums, has_aux, args, kwargs,
                                             "grad_and_value")
         return (g, (value, aux)) if has_aux else (g, value)
@@ -48,6 +53,8 @@ def grad(func: Callable, argnums: Argnums = 0, has_aux: bool = False) -> Callabl
     """
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling() and dynamo_entry.active():  # inside torch.compile
+            return dynamo_entry.call_transform(grad, (func, argnums, has_aux), {}, args, kwargs)
         g, _, aux = grad_and_value_impl(func, argnums, has_aux, args, kwargs, "grad")
         return (g, aux) if has_aux else g
     return wrapper

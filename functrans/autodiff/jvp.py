@@ -23,10 +23,12 @@ dtype and each output tangent is promoted with the tangents' dtypes (a float64 t
 float64 output tangent, as there).  Outside vmap the mismatch is refused with a clear error,
 as vjp_fn refuses a cotangent of another dtype (the reference accepts both).
 
-Imports: _levels, _pytree, errors, functionalization, _differentiable, exact_norms, levels.
+Imports: _levels, _pytree, errors, functionalization, _differentiable, exact_norms, levels,
+compiler.dynamo_entry (the route inside torch.compile).
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable
 
@@ -34,6 +36,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from .. import _levels
+from ..compiler import dynamo_entry
 from ..functionalization import functional_tangents, unwrap_functional
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import (ForwardModeAroundVmap, InplaceIntoUnbatchedError, TransformArgumentError,
@@ -143,6 +146,9 @@ def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
     With ``strict=True`` an output that does not depend on the primals (its tangent would be
     zero) raises instead of getting a zero tangent, as in the reference library.
     """
+    if torch.compiler.is_compiling() and dynamo_entry.active():  # inside torch.compile
+        return dynamo_entry.call(functools.partial(jvp, func, strict=strict, has_aux=has_aux),
+                                 (primals, tangents), {})
     api = transform_call("jvp", func, "primals", "tangents",
                          **({"strict": True} if strict else {}))
     return jvp_impl(func, primals, tangents, has_aux, api, strict=strict)

@@ -4,7 +4,8 @@
 it calls ``torch.autograd.grad`` with ``retain_graph=True`` on the recorded graph, and batched
 cotangents flow through the backward formulas as BatchedTensors.
 
-Imports: _pytree, errors, _differentiable, exact_norms.
+Imports: _pytree, errors, _differentiable, exact_norms, compiler.dynamo_entry (the route inside
+torch.compile).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from ..compiler import dynamo_entry
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError, transform_call
 from .exact_norms import autodiff_level
@@ -29,6 +31,8 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False):
     >>> vjp_fn(torch.ones(3))
     (tensor([1., 1., 1.]),)
     """
+    if torch.compiler.is_compiling() and dynamo_entry.active():  # inside torch.compile
+        return dynamo_entry.vjp(vjp, func, primals, has_aux)
     return vjp_impl(func, primals, has_aux, transform_call("vjp", func, "*primals"))
 
 

@@ -8,7 +8,8 @@ autograd.Function: an input that carries autograd state keeps it on the physical
 dispatcher records the rules' physical ops (see Note [autograd on physical values] in
 dispatch.py).
 
-Imports: _levels, _pytree, errors, functionalization, batched_tensor, helpers, mode.
+Imports: _levels, _pytree, errors, functionalization, batched_tensor, helpers, mode,
+compiler.dynamo_entry (the route inside torch.compile).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from ..errors import (EscapedBatchedTensorError, ForwardModeAroundVmap, Transfor
 from .batched_tensor import BatchedTensor
 from .helpers import match_bdim
 from .mode import VmapLevelMode
+from ..compiler import dynamo_entry
 
 _RANDOMNESS = ("error", "different", "same")
 
@@ -66,6 +68,9 @@ def vmap(func: Callable, in_dims: Any = 0, out_dims: Any = 0, randomness: str = 
 
     @functools.wraps(func)
     def wrapped(*args, **kwargs):
+        if torch.compiler.is_compiling() and dynamo_entry.active():  # inside torch.compile
+            return dynamo_entry.call_transform(vmap, (func, in_dims, out_dims, randomness),
+                                               {"chunk_size": chunk_size}, args, kwargs)
         return _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs)
 
     return wrapped

@@ -1,0 +1,158 @@
+"""functrans transforms inside ``torch.compile``: one opaque, AOT-traced call per transform.
+
+What this module owns
+- ``active()``: whether a transform's wrapper should route here (Dynamo or AOTAutograd is
+  compiling — ``torch.compiler.is_compiling()`` — and this thread is not already inside an
+  entry).  The transform wrappers (``batching/api.py``'s vmap, ``autodiff/grad.py``,
+  ``jacobians.py``, ``jvp.py``, ``vjp.py``) check it on their first line; in eager mode it is one
+  ``is_compiling()`` call.
+- ``call_transform(factory, fargs, fkwargs, args, kwargs)``: the routed call.  In a Dynamo trace
+  it becomes one ``flat_apply`` node of the graph; AOTAutograd then traces it under fake
+  tensors, so the graph holds the engine's physical ATen ops (the same ops ``functrans.compile``
+  records with make_fx), which inductor compiles like any other.
+- ``vjp_fn``: the function ``vjp`` returns inside ``torch.compile`` (it recomputes the forward
+  in the same opaque call, see below).
+
+Which Dynamo extension point, and why: ``torch._dynamo.nonstrict_trace``.  Dynamo must not
+trace the engine (a ``TorchDispatchMode`` whose Python internals Dynamo cannot follow: every op
+graph-breaks and recompiles), but AOTAutograd must (that is where the ops come from).
+``nonstrict_trace`` is exactly that: opaque to Dynamo, traced by AOTAutograd, differentiable by
+an outer ``backward()``.  ``allow_in_graph`` would need tensor-only arguments and runs the
+function on fake tensors with no way to pass the transform's static configuration.  The
+configuration (the transform factory, the user's function, ``in_dims``, ``argnums``...) travels
+as a pytree node with no leaves (``_Static``): Dynamo turns it into a Python constant of the
+graph (``as_python_constant``; a function made inside the compiled region is rebuilt from its
+code and its constant closure), and guards it through its sources (the user's function read
+from a global or a closure is guarded by identity, so rebinding it recompiles).
+``pytree.register_constant`` would need the object to exist before the compiled region, which a
+``vmap(grad(loss))`` written inside it does not.
+
+Limits (each is compiled exactly, left to eager, or refused with an error; never wrong):
+- a function made inside the compiled region that closes over a tensor of the region is not a
+  Python constant: Dynamo raises ``ClosureConversionError`` on the call (pass the tensor as an
+  argument, or define the function outside the region).
+- a tensor the function reads from a global, a closure made outside the region or a module
+  (``functional_call``'s buffers) would be a graph constant under ``nonstrict_trace`` (a
+  rebinding of the name silently stale).  ``_run`` refuses it while Dynamo's fake tensors run
+  the call (FakeTensorMode raises on a real tensor), so Dynamo graph-breaks there
+  (``fullgraph=True`` raises) and the transform runs eagerly, reading the tensor afresh.  The
+  body is ``torch._dynamo.disable``-d, so that eager run is never traced by Dynamo.
+- ``vjp``: ``vjp_fn(ct)`` is a second opaque call that recomputes the forward and pulls ``ct``
+  back (one more forward than eager; inside the region, in the same graph; a ``vjp_fn``
+  returned from the region runs eagerly).  ``linearize`` is not routed (not done): Dynamo
+  traces into the engine as it did before this module (graph breaks, then eager).
+- randomness: ``vmap(..., randomness='different'|'same')`` draws through the graph's random ops
+  (AOTAutograd functionalizes the generator), so each call draws fresh numbers with the right
+  distribution; 'same' draws once per call, shared by the batch (tested by
+  tests/compiler/test_inside_torch_compile.py).
+
+Imports: nothing (torch only; the transforms import this module).
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+_tls = threading.local()
+_ENTRY: list = []   # the nonstrict-traced entry, once made (_make_entry)
+
+
+class _Static:
+    """The transform's configuration: a pytree node without leaves, so that Dynamo passes it to
+    the entry as a constant (the context), not as graph inputs."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+
+pytree.register_pytree_node(_Static, lambda s: ([], s.fn), lambda _leaves, fn: _Static(fn))
+
+
+def active() -> bool:
+    """True when a transform wrapper should route its call here (see the module docstring).
+
+    In a Dynamo trace this function runs for real, its answer a constant of the trace
+    (``assume_constant_result``, set below by its attribute), which also makes the entry there:
+    Dynamo then reads it as a global of this module, guarded by identity."""
+    if not torch.compiler.is_compiling() or getattr(_tls, "inside", False):
+        return False
+    if not _ENTRY:
+        _make_entry()
+    return True
+
+
+def _apply(factory, fargs, fkwargs, *args, **kwargs):
+    return factory(*fargs, **fkwargs)(*args, **kwargs)
+
+
+def _run(static: _Static, args, kwargs):
+    from torch._subclasses.fake_tensor import fake_tensor_tls
+    prev = getattr(_tls, "inside", False)
+    _tls.inside = True
+    # Under Dynamo's and AOTAutograd's fake tensors, nonstrict_trace lets a real tensor the
+    # function reads from a global or a closure into the graph as a constant: a rebinding of
+    # that name would then be silently stale.  Refused here (FakeTensorMode raises on a real
+    # tensor), so Dynamo graph-breaks and the transform runs eagerly, reading it afresh.
+    allow = getattr(fake_tensor_tls, "allow_non_fake_inputs_override", None)
+    fake_tensor_tls.allow_non_fake_inputs_override = None if allow is None else False
+    try:
+        return static.fn(*args, **kwargs)
+    finally:
+        fake_tensor_tls.allow_non_fake_inputs_override = allow
+        _tls.inside = prev
+
+
+def _make_entry() -> None:
+    """The nonstrict-traced entry, made on first use: importing torch._dynamo costs more than
+    importing functrans, so it is not done at import."""
+    import torch._dynamo
+    # disable: Dynamo never traces the body, neither as the opaque call's (AOTAutograd traces
+    # it, below Dynamo) nor when a graph break makes the call run eagerly.
+    entry = torch._dynamo.nonstrict_trace(torch._dynamo.disable(_run))
+    entry.__name__ = "functrans_transform"
+    _ENTRY.append(entry)
+
+
+# Dynamo runs it for real (torch._dynamo.assume_constant_result, which only sets this attribute:
+# decorating would import torch._dynamo).
+active._dynamo_marked_constant = True
+
+
+def call_transform(factory: Callable, fargs: tuple, fkwargs: dict, args: tuple, kwargs: dict):
+    """``factory(*fargs, **fkwargs)(*args, **kwargs)`` as one opaque call of the graph."""
+    return _ENTRY[0](_Static(functools.partial(_apply, factory, fargs, fkwargs)), args, kwargs)
+
+
+def call(fn: Callable, args: tuple, kwargs: dict):
+    """``fn(*args, **kwargs)`` as one opaque call of the graph."""
+    return _ENTRY[0](_Static(fn), args, kwargs)
+
+
+def _vjp_forward(vjp_transform, func, has_aux, *primals):
+    res = vjp_transform(func, *primals, has_aux=has_aux)
+    return (res[0], res[2]) if has_aux else res[0]
+
+
+def _vjp_pull(vjp_transform, func, has_aux, n_primals, create_graph, *flat):
+    res = vjp_transform(func, *flat[:n_primals], has_aux=has_aux)
+    return res[1](flat[n_primals], create_graph=create_graph)
+
+
+def vjp(vjp_transform: Callable, func: Callable, primals: tuple, has_aux: bool):
+    """``vjp`` inside ``torch.compile``: the output by one opaque call, and a ``vjp_fn`` whose
+    every call is another opaque call that recomputes the forward and pulls the cotangents back
+    (a function cannot be an output of the opaque call)."""
+    res = call(functools.partial(_vjp_forward, vjp_transform, func, has_aux), primals, {})
+
+    def vjp_fn(cotangents: Any, retain_graph: Any = True, create_graph: Any = None):
+        # retain_graph has no effect here: every call recomputes the forward
+        return call(functools.partial(_vjp_pull, vjp_transform, func, has_aux, len(primals),
+                                      create_graph), (*primals, cotangents), {})
+
+    return (res[0], vjp_fn, res[1]) if has_aux else (res, vjp_fn)
