@@ -8,7 +8,7 @@ checked by ``errors.check_chunk_size``, as vmap's is.  Errors open with the call
 (``errors.transform_call``): ``hessian``'s name its own call, not the jacfwd/jacrev inside it.
 
 Imports: _pytree, errors, _differentiable, vjp, jvp, batching.api (jacrev and jacfwd are vmaps of
-vjp and jvp).
+vjp and jvp), batching.compile_boundary (jacrev's eager retry of a compiled function).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 from .._pytree import tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError, check_chunk_size, transform_call
 from ..batching.api import check_randomness, vmap
+from ..batching.compile_boundary import is_batched_tangent_refusal, retry_eagerly
 from ._differentiable import Argnums, normalize_argnums, replace_argnums, select_argnums
 from .jvp import jvp_impl
 from .vjp import vjp_impl
@@ -78,6 +79,16 @@ def _jacrev(func, argnums, has_aux, chunk_size, api):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        # torch.compile inside: a compiled backward cannot take the batched cotangents below
+        # (batching/compile_boundary.py); the call then runs again with it eager.
+        try:
+            return call(*args, **kwargs)
+        except RuntimeError as e:
+            if not is_batched_tangent_refusal(e):
+                raise
+            return retry_eagerly(lambda: call(*args, **kwargs), e, api)
+
+    def call(*args, **kwargs):
         nums, primals, f = _argnums_setup(func, argnums, args, kwargs, api)
         res = vjp_impl(f, primals, has_aux, api)
         out, vjp_fn = res[0], res[1]
@@ -122,6 +133,16 @@ def _jacfwd(func, argnums, has_aux, randomness, chunk_size, api):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        # torch.compile inside: a compiled backward cannot take the batched cotangents below
+        # (batching/compile_boundary.py); the call then runs again with it eager.
+        try:
+            return call(*args, **kwargs)
+        except RuntimeError as e:
+            if not is_batched_tangent_refusal(e):
+                raise
+            return retry_eagerly(lambda: call(*args, **kwargs), e, api)
+
+    def call(*args, **kwargs):
         nums, primals, f = _argnums_setup(func, argnums, args, kwargs, api)
         flat_in, in_spec = tree_flatten(primals)
         basis = _basis(flat_in)
