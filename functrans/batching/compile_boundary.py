@@ -23,6 +23,12 @@ What this module does (``install()``, called by ``functrans/batching/__init__.py
    trace while this mode is active?") answers False, as before, and the first time dynamo asks
    it during one vmap call (that is: a compiled function was entered under that vmap) it warns
    once with a ``functrans.CompileWarning`` saying the function runs eagerly and why.
+   Dynamo marks a frame it skipped for a dispatch mode as skipped for good (its default
+   ``ConvertFrameReturn``: SKIP, applied to the code): one call under a vmap left the function
+   uncompiled everywhere after, until ``torch._dynamo.reset()``.  So the code objects dynamo was
+   converting when it asked are noted, and their frame strategy is set back to DEFAULT when the
+   vmap's mode exits (``VmapLevelMode.__exit__``, wrapped here): the function compiles again
+   outside the vmap.
 3. ``jacrev`` (a vmap over a vjp's backward) retries eagerly (``retry_eagerly``) when a compiled
    function's AOTAutograd backward refused the batched cotangents: the forward ran outside the
    vmap, so it was compiled for plain tangents, and a compiled backward cannot take
@@ -68,6 +74,11 @@ _ENTER_CODE = TorchDispatchMode.__enter__.__code__
 # saw a plain tensor (torch/_functorch/_aot_autograd/runtime_wrappers.py).
 _BATCHED_TANGENT = "we guessed its metadata incorrectly"
 _warned_level_id = [0]   # the last vmap level warned about: one warning per vmap call
+_skipped_codes = []      # codes dynamo skipped under a vmap: unmarked when the vmap's mode exits
+_frames = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+_set_strategy = getattr(_frames, "set_code_exec_strategy", None)
+if not hasattr(_frames, "_FrameExecStrategy"):
+    _set_strategy = None
 
 
 def _entry_points():
@@ -80,13 +91,41 @@ def install() -> None:
     the vmap mode (see the module docstring).  Idempotent; does nothing where this torch has
     no frame strategy API (its dynamo then converts the engine's frames as before)."""
     VmapLevelMode.ignore_compile_internals = classmethod(_compile_refused)
-    frames = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-    strategy = getattr(frames, "set_code_exec_strategy", None)
-    if strategy is None or not hasattr(frames, "_FrameExecStrategy"):
+    if _set_strategy is None:
         return
-    skip = frames._FrameAction.SKIP
+    skip = _frames._FrameAction.SKIP
     for fn in _entry_points():
-        strategy(fn.__code__, frames._FrameExecStrategy(skip, skip))
+        _set_strategy(fn.__code__, _frames._FrameExecStrategy(skip, skip))
+    if "__exit__" not in VmapLevelMode.__dict__:
+        VmapLevelMode.__exit__ = _exit_and_unmark
+
+
+_mode_exit = VmapLevelMode.__exit__
+
+
+def _exit_and_unmark(self, exc_type, exc_val, exc_tb):
+    """``VmapLevelMode.__exit__``: the mode's own exit, then the codes dynamo skipped under it
+    get back the default frame strategy (see the module docstring, 2.)."""
+    try:
+        return _mode_exit(self, exc_type, exc_val, exc_tb)
+    finally:
+        if _skipped_codes:
+            default = _frames._FrameAction.DEFAULT
+            while _skipped_codes:
+                _set_strategy(_skipped_codes.pop(), _frames._FrameExecStrategy(default, default))
+
+
+def _converting_code():
+    """The code object of the frame dynamo is converting (a local ``frame`` of its callback,
+    beside ``frame_state``), or None where this dynamo's callback looks different."""
+    f = sys._getframe(2)
+    while f is not None:
+        local = f.f_locals
+        frame = local.get("frame")
+        if "frame_state" in local and hasattr(frame, "f_code"):
+            return frame.f_code
+        f = f.f_back
+    return None
 
 
 def _compile_refused(cls) -> bool:
@@ -96,16 +135,25 @@ def _compile_refused(cls) -> bool:
     asks too, on every vmap call: that question is answered silently."""
     if sys._getframe(1).f_code is _ENTER_CODE:
         return False
+    code = _converting_code() if _set_strategy is not None else None
+    if code is not None:
+        _skipped_codes.append(code)
     level = next((lv for lv in reversed(_levels.stack()) if lv.kind == "vmap"), None)
     if level is not None and level.id != _warned_level_id[0]:
         _warned_level_id[0] = level.id
-        warnings.warn(
-            "a torch.compile'd function was called inside functrans.vmap (or a transform "
-            "built on it: jacrev, jacfwd, hessian, vmap of grad): it runs eagerly, through "
-            "functrans's batching rules, with the right result. Dynamo cannot trace while a "
-            "vmap level's dispatch mode is active. To compile, put torch.compile outside: "
-            "torch.compile(functrans.vmap(f)), or use functrans.compile(functrans.vmap(f)).",
-            CompileWarning, stacklevel=2)
+        name = f" ({code.co_name})" if code is not None else ""
+        message = (
+            f"a torch.compile'd function{name} was called inside functrans.vmap (or a "
+            "transform built on it: jacrev, jacfwd, hessian, vmap of grad): it runs eagerly, "
+            "through functrans's batching rules, with the right result. Dynamo cannot trace "
+            "while a vmap level's dispatch mode is active. To compile, put torch.compile "
+            "outside: torch.compile(functrans.vmap(f)), or use "
+            "functrans.compile(functrans.vmap(f)).")
+        if code is not None:   # point at the compiled function, not at dynamo's internals
+            warnings.warn_explicit(message, CompileWarning, code.co_filename,
+                                   code.co_firstlineno)
+        else:
+            warnings.warn(message, CompileWarning, stacklevel=2)
     return False
 
 
