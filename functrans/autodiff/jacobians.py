@@ -8,7 +8,7 @@ checked by ``errors.check_chunk_size``, as vmap's is.  Errors open with the call
 (``errors.transform_call``): ``hessian``'s name its own call, not the jacfwd/jacrev inside it.
 
 Imports: _pytree, errors, _differentiable, vjp, jvp, batching.api (jacrev and jacfwd are vmaps of
-vjp and jvp), batching.compile_boundary (jacrev's eager retry of a compiled function).
+vjp and jvp), batching.compile_boundary (jacrev's eager retry of a torch.compile'd function).
 """
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import torch
 from .._pytree import tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError, check_chunk_size, transform_call
 from ..batching.api import check_randomness, vmap
-from ..batching.compile_boundary import is_batched_tangent_refusal, retry_eagerly
 from ._differentiable import Argnums, normalize_argnums, replace_argnums, select_argnums
 from .jvp import jvp_impl
 from .vjp import vjp_impl
+from ..batching.compile_boundary import with_eager_retry
 
 
 def _basis(flat: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -72,23 +72,15 @@ def jacrev(func: Callable, argnums: Argnums = 0, *, has_aux: bool = False,
     """The Jacobian of ``func`` w.r.t. ``args[argnums]`` by reverse mode (vmap over vjp)."""
     api = transform_call("jacrev", func, argnums=argnums)
     check_chunk_size(chunk_size, api)
-    return _jacrev(func, argnums, has_aux, chunk_size, api)
+    # a torch.compile'd backward inside cannot take jacrev's batched cotangents: the call then
+    # runs again with compiled functions eager (batching/compile_boundary.py)
+    return with_eager_retry(_jacrev(func, argnums, has_aux, chunk_size, api), api)
 
 
 def _jacrev(func, argnums, has_aux, chunk_size, api):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        # torch.compile inside: a compiled backward cannot take the batched cotangents below
-        # (batching/compile_boundary.py); the call then runs again with it eager.
-        try:
-            return call(*args, **kwargs)
-        except RuntimeError as e:
-            if not is_batched_tangent_refusal(e):
-                raise
-            return retry_eagerly(lambda: call(*args, **kwargs), e, api)
-
-    def call(*args, **kwargs):
         nums, primals, f = _argnums_setup(func, argnums, args, kwargs, api)
         res = vjp_impl(f, primals, has_aux, api)
         out, vjp_fn = res[0], res[1]
@@ -133,16 +125,6 @@ def _jacfwd(func, argnums, has_aux, randomness, chunk_size, api):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        # torch.compile inside: a compiled backward cannot take the batched cotangents below
-        # (batching/compile_boundary.py); the call then runs again with it eager.
-        try:
-            return call(*args, **kwargs)
-        except RuntimeError as e:
-            if not is_batched_tangent_refusal(e):
-                raise
-            return retry_eagerly(lambda: call(*args, **kwargs), e, api)
-
-    def call(*args, **kwargs):
         nums, primals, f = _argnums_setup(func, argnums, args, kwargs, api)
         flat_in, in_spec = tree_flatten(primals)
         basis = _basis(flat_in)

@@ -56,6 +56,7 @@ Imports: _levels, errors, batched_tensor, mode, above_dispatch, functionalizatio
 """
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 
@@ -162,6 +163,20 @@ def is_batched_tangent_refusal(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and _BATCHED_TANGENT in " ".join(str(error).split())
 
 
+def with_eager_retry(fn, api: str):
+    """``fn`` (a jacrev), run again by ``retry_eagerly`` when a compiled backward inside it
+    refused its batched cotangents."""
+    @functools.wraps(fn)
+    def retrying(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            if not is_batched_tangent_refusal(e):
+                raise
+            return retry_eagerly(lambda: fn(*args, **kwargs), e, api)
+    return retrying
+
+
 def retry_eagerly(call, error: BaseException, api: str):
     """Run ``call()`` again with every torch.compile'd function eager, after one warning; re-
     raise ``error`` where that cannot be done (inside a torch.compile trace, or a torch without
@@ -175,6 +190,6 @@ def retry_eagerly(call, error: BaseException, api: str):
         "cannot take. The call was run again with torch.compile'd functions eager "
         "(torch.compiler.set_stance('force_eager')); the result is exact. To compile, put "
         "torch.compile outside: torch.compile(functrans.jacrev(f)).",
-        CompileWarning, stacklevel=3)
+        CompileWarning, stacklevel=4)
     with set_stance("force_eager"):
         return call()
