@@ -4,8 +4,13 @@
 it calls ``torch.autograd.grad`` with ``retain_graph=True`` on the recorded graph, and batched
 cotangents flow through the backward formulas as BatchedTensors.
 
+A ``torch.compile``'d function's compiled backward cannot take batched cotangents
+(``vmap(vjp_fn)``): ``vjp_fn`` then records the forward again with compiled functions eager and
+pulls the cotangents back through that graph, after one warning
+(``batching.compile_boundary.retry_eagerly``).
+
 Imports: _pytree, errors, _differentiable, exact_norms, compiler.dynamo_entry (the route inside
-torch.compile).
+torch.compile), batching.compile_boundary (vjp_fn's eager retry).
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from ..batching.compile_boundary import is_batched_tangent_refusal, retry_eagerly
 from ..compiler import dynamo_entry
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError, transform_call
@@ -56,7 +62,8 @@ def vjp_impl(func: Callable, primals: tuple, has_aux: bool, api: str):
     # enable_grad) still reaches an input or closed-over tensor that requires grad: a vjp_fn
     # called later with grad mode on gives a differentiable result, as the reference's does.
     connected = keep_graph or (not grad_on and reaches_outside(flat_out, flat_inputs))
-    vjp_fn = _make_vjp_fn(flat_out, out_spec, flat_inputs, primals, api, connected)
+    vjp_fn = _make_vjp_fn(flat_out, out_spec, flat_inputs, primals, api, connected,
+                          lambda: vjp_impl(func, primals, has_aux, api)[1])
     result_out = out if keep_graph else detach_tree(out)
     if has_aux:
         return result_out, vjp_fn, (aux if keep_graph else detach_tree(aux))
@@ -64,7 +71,7 @@ def vjp_impl(func: Callable, primals: tuple, has_aux: bool, api: str):
 
 
 def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec, flat_inputs, primals, api: str,
-                 connected: bool):
+                 connected: bool, eager_vjp_fn: Callable):
     _, primals_spec = tree_flatten(primals)
 
     def vjp_fn(cotangents: Any, retain_graph: Optional[bool] = True,
@@ -115,9 +122,15 @@ def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec, flat_inputs, primals, a
             if o.requires_grad:
                 outs.append(o)
                 cts.append(c)
-        with torch.enable_grad():
-            grads = gradients(outs, flat_inputs, cts, api, retain_graph=retain_graph,
-                              create_graph=create_graph)
+        try:
+            with torch.enable_grad():
+                grads = gradients(outs, flat_inputs, cts, api, retain_graph=retain_graph,
+                                  create_graph=create_graph)
+        except RuntimeError as e:
+            if not is_batched_tangent_refusal(e):
+                raise
+            # A compiled backward refused batched cotangents: the forward again, eager.
+            return retry_eagerly(eager_vjp_fn, e, api)(cotangents, retain_graph, create_graph)
         return tuple(tree_unflatten(grads, primals_spec))
 
     return vjp_fn

@@ -185,11 +185,12 @@ def retry_eagerly(call, error: BaseException, api: str):
     if set_stance is None or torch.compiler.is_compiling():
         raise error
     warnings.warn(
-        f"{api}: a torch.compile'd function inside it was compiled for one cotangent, but the "
-        "Jacobian pushes a batch of cotangents through its backward, which a compiled backward "
-        "cannot take. The call was run again with torch.compile'd functions eager "
-        "(torch.compiler.set_stance('force_eager')); the result is exact. To compile, put "
-        "torch.compile outside: torch.compile(functrans.jacrev(f)).",
+        f"{api}: a torch.compile'd function inside it was compiled for one cotangent, but a "
+        "batch of cotangents (jacrev, or a vmap of vjp_fn) reached its backward, which a "
+        "compiled backward cannot take. The forward was run again with torch.compile'd "
+        "functions eager (torch.compiler.set_stance('force_eager')), so its Python side "
+        "effects ran twice; the result is exact. To compile, put torch.compile outside: "
+        "torch.compile(functrans.jacrev(f)).",
         CompileWarning, stacklevel=4)
     with set_stance("force_eager"):
         return call()

@@ -150,6 +150,23 @@ def test_jacrev_of_compiled_retries_eagerly_with_one_warning():
     torch.testing.assert_close(out, torch.func.jacrev(lambda t: (t.sin() * t.sum()).sum())(x))
 
 
+def test_vmap_of_vjp_fn_of_compiled_retries_eagerly_with_one_warning():
+    # The PyTorch release-notes Jacobian: vjp once, then vmap of vjp_fn over the basis.
+    w, b, x = torch.randn(6, 6), torch.randn(6), torch.randn(6)
+    predict = lambda t: torch.nn.functional.linear(t, w, b).tanh()   # noqa: E731
+    compiled = torch.compile(predict, backend=BACKEND)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _, vjp_fn = functrans.vjp(compiled, x)
+        (jac,) = functrans.vmap(vjp_fn)(torch.eye(6))
+        (row,) = vjp_fn(torch.ones(6))   # one cotangent: the compiled backward, no retry
+    warned = _compile_warnings(record)
+    assert len(warned) == 1 and "run again" in str(warned[0].message)
+    _, ref_vjp = torch.func.vjp(predict, x)
+    torch.testing.assert_close(jac, torch.func.vmap(ref_vjp)(torch.eye(6))[0])
+    torch.testing.assert_close(row, ref_vjp(torch.ones(6))[0])
+
+
 def test_jacfwd_and_hessian_of_compiled():
     x = torch.randn(4)
     g = lambda t: (t.sin() * t.sum()).sum()   # noqa: E731
