@@ -33,7 +33,9 @@ What this module does (``install()``, called by ``functrans/batching/__init__.py
    function's AOTAutograd backward refused the batched cotangents: the forward ran outside the
    vmap, so it was compiled for plain tangents, and a compiled backward cannot take
    ``BatchedTensor``s.  The retry runs the whole call again under
-   ``torch.compiler.set_stance("force_eager")``, after one warning.
+   ``torch.compiler.set_stance("force_eager")``, after one warning.  ``vjp_fn`` does the same
+   under a vmap (``vmap(vjp_fn)(basis)``): it records the forward again, eager
+   (``autodiff/vjp.py``).
 
 ``grad``, ``vjp`` and ``jvp`` without a vmap need nothing: their tensors are plain, dynamo
 compiles the function (one graph, no break) and AOTAutograd differentiates it.
