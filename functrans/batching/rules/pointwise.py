@@ -117,12 +117,11 @@ def _fix_zero_dim_promotion(args, in_dims, ranks):
 
 def _broadcast_shapes(shapes):
     """``torch.broadcast_shapes`` (about 10 us of Python in torch._refs), answered directly for
-    equal-rank shapes of plain ints; anything else (SymInts, an error to raise) goes to it."""
-    out = list(shapes[0])
-    for s in shapes[1:]:
-        if len(s) != len(out):
-            return torch.broadcast_shapes(*shapes)
-        for i, d in enumerate(s):
+    shapes of plain ints; anything else (SymInts, an error to raise) goes to it."""
+    out = [1] * max(len(s) for s in shapes)
+    n = len(out)
+    for s in shapes:
+        for i, d in enumerate(s, n - len(s)):
             o = out[i]
             if type(d) is not int or type(o) is not int:
                 return torch.broadcast_shapes(*shapes)

@@ -1,6 +1,8 @@
-"""functrans._pytree's tree_flatten/tree_unflatten: their direct answers for a tensor and flat
-tuples/lists of tensors are PyTorch's own, and every other tree goes to PyTorch."""
+"""The eager engine's shortcuts around PyTorch's Python helpers give PyTorch's answers:
+functrans._pytree's tree_flatten/tree_unflatten (a tensor and flat tuples/lists of tensors
+answered directly, every other tree by PyTorch) and the pointwise rule's broadcast of shapes."""
 import collections
+import itertools
 
 import pytest
 import torch
@@ -36,3 +38,18 @@ def test_unflatten_with_a_wrong_number_of_leaves_is_pytorchs_error():
     _, spec = tree_flatten((a, b))
     with pytest.raises(ValueError):
         tree_unflatten([a], spec)
+
+
+def test_pointwise_broadcast_shapes_is_torchs():
+    from functrans.batching.rules.pointwise import _broadcast_shapes
+    dims = [0, 1, 2, 3]
+    shapes = [torch.Size(s) for r in range(4) for s in itertools.product(dims, repeat=r)]
+    for a, b in itertools.product(shapes, repeat=2):
+        for group in ([a], [a, b], [a, b, a[1:]]):
+            try:
+                ref = torch.broadcast_shapes(*group)
+            except RuntimeError:
+                with pytest.raises(RuntimeError):
+                    _broadcast_shapes(group)
+                continue
+            assert _broadcast_shapes(group) == ref, group
