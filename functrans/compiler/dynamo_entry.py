@@ -28,9 +28,20 @@ from a global or a closure is guarded by identity, so rebinding it recompiles).
 ``vmap(grad(loss))`` written inside it does not.
 
 Limits (each is compiled exactly, left to eager, or refused with an error; never wrong):
-- a function made inside the compiled region that closes over a tensor of the region is not a
-  Python constant: Dynamo raises ``ClosureConversionError`` on the call (pass the tensor as an
-  argument, or define the function outside the region).
+- a function made inside the compiled region that closes over tensors of the region
+  (``grad(lambda y: (y * w).sum())(x)``) is not a Python constant (Dynamo's
+  ``ClosureConversionError``): ``call`` lifts those tensors into inputs of the opaque call
+  (``_lift``: the function travels as its code, its module's name and a spec of its cells, and is
+  rebuilt in the call by ``_rebuild``), so it compiles in the same graph, also through partials,
+  tuples, lists, dicts and nested functions of the region (``vmap(lambda x: grad(lambda p: ...
+  w ...)(p))``), and an outer ``backward()`` reaches the lifted tensors.  Dynamo gives traced
+  code no ``__closure__``, so the cells are read at trace time by a ``comptime`` hook
+  (``_cells``, which uses Dynamo's no-BC-promise accessors ``_i_will_not_complain_if_bc_breaks_*``,
+  ``NestedUserFunctionVariable.closure/defaults/kwdefaults/f_globals`` and
+  ``side_effects.load_cell``).  Whatever it cannot lift (a function that closes over itself,
+  globals that are not its module's, a Dynamo whose internals differ) is an ordinary graph break
+  (``fullgraph=True`` raises ``Unsupported``) and the transform runs eagerly.  A cell the
+  function rebinds (``nonlocal``) is rebound in the rebuilt copy only, not in the region.
 - a tensor the function reads from a global, a closure made outside the region or a module
   (``functional_call``'s buffers) would be a graph constant under ``nonstrict_trace`` (a
   rebinding of the name silently stale).  ``_run`` refuses it while Dynamo's fake tensors run
