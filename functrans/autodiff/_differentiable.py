@@ -132,6 +132,11 @@ def _accumulate_grad_type():
 
 
 _AccumulateGrad = _accumulate_grad_type()
+# (dynamo_entry hook) Under torch.compile, AOTAutograd's fake inputs that require grad without
+# being leaves hang from a DelayedError node (torch/_subclasses/meta_utils.py _backward_error),
+# not an AccumulateGrad: reaching one is reaching outside (keeping the graph is never wrong).
+_DelayedError = type(torch._C._functions.DelayedError("", 1)(
+    torch.zeros(1, requires_grad=True)).grad_fn)
 
 
 def reaches_outside(roots: Sequence[Any], own: Sequence[torch.Tensor]) -> bool:
@@ -162,6 +167,8 @@ def reaches_outside(roots: Sequence[Any], own: Sequence[torch.Tensor]) -> bool:
             var = nxt.variable
             if id(var) not in own_ids and not getattr(var, _INTERNAL, False):
                 return True
+        elif type(nxt) is _DelayedError:     # an input of AOTAutograd's trace (see above)
+            return True
     return False
 
 

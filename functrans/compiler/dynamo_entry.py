@@ -28,9 +28,20 @@ from a global or a closure is guarded by identity, so rebinding it recompiles).
 ``vmap(grad(loss))`` written inside it does not.
 
 Limits (each is compiled exactly, left to eager, or refused with an error; never wrong):
-- a function made inside the compiled region that closes over a tensor of the region is not a
-  Python constant: Dynamo raises ``ClosureConversionError`` on the call (pass the tensor as an
-  argument, or define the function outside the region).
+- a function made inside the compiled region that closes over tensors of the region
+  (``grad(lambda y: (y * w).sum())(x)``) is not a Python constant (Dynamo's
+  ``ClosureConversionError``): ``call`` lifts those tensors into inputs of the opaque call
+  (``_lift``: the function travels as its code, its module's name and a spec of its cells, and is
+  rebuilt in the call by ``_rebuild``), so it compiles in the same graph, also through partials,
+  tuples, lists, dicts and nested functions of the region (``vmap(lambda x: grad(lambda p: ...
+  w ...)(p))``), and an outer ``backward()`` reaches the lifted tensors.  Dynamo gives traced
+  code no ``__closure__``, so the cells are read at trace time by a ``comptime`` hook
+  (``_cells``, which uses Dynamo's no-BC-promise accessors ``_i_will_not_complain_if_bc_breaks_*``,
+  ``NestedUserFunctionVariable.closure/defaults/kwdefaults/f_globals`` and
+  ``side_effects.load_cell``).  Whatever it cannot lift (a function that closes over itself,
+  globals that are not its module's, a Dynamo whose internals differ) is an ordinary graph break
+  (``fullgraph=True`` raises ``Unsupported``) and the transform runs eagerly.  A cell the
+  function rebinds (``nonlocal``) is rebound in the rebuilt copy only, not in the region.
 - a tensor the function reads from a global, a closure made outside the region or a module
   (``functional_call``'s buffers) would be a graph constant under ``nonstrict_trace`` (a
   rebinding of the name silently stale).  ``_run`` refuses it while Dynamo's fake tensors run
@@ -52,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 from typing import Any, Callable
 
 import torch
@@ -62,16 +74,19 @@ _ENTRY: list = []   # the nonstrict-traced entry, once made (_make_entry)
 
 
 class _Static:
-    """The transform's configuration: a pytree node without leaves, so that Dynamo passes it to
-    the entry as a constant (the context), not as graph inputs."""
+    """The transform's configuration: a pytree node whose context is a Python constant (the
+    function, or the ``_lift`` spec of a function that closes over tensors of the compiled
+    region), and whose leaves are those tensors (graph inputs of the opaque call)."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "leaves")
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: Any, leaves: tuple = ()) -> None:
         self.fn = fn
+        self.leaves = leaves
 
 
-pytree.register_pytree_node(_Static, lambda s: ([], s.fn), lambda _leaves, fn: _Static(fn))
+pytree.register_pytree_node(_Static, lambda s: (list(s.leaves), s.fn),
+                            lambda leaves, fn: _Static(fn, tuple(leaves)))
 
 
 def active() -> bool:
@@ -102,7 +117,8 @@ def _run(static: _Static, args, kwargs):
     allow = getattr(fake_tensor_tls, "allow_non_fake_inputs_override", None)
     fake_tensor_tls.allow_non_fake_inputs_override = None if allow is None else False
     try:
-        return static.fn(*args, **kwargs)
+        fn = _rebuild(static.fn, static.leaves) if static.leaves else static.fn
+        return fn(*args, **kwargs)
     finally:
         fake_tensor_tls.allow_non_fake_inputs_override = allow
         _tls.inside = prev
@@ -126,12 +142,113 @@ active._dynamo_marked_constant = True
 
 def call_transform(factory: Callable, fargs: tuple, fkwargs: dict, args: tuple, kwargs: dict):
     """``factory(*fargs, **fkwargs)(*args, **kwargs)`` as one opaque call of the graph."""
-    return _ENTRY[0](_Static(functools.partial(_apply, factory, fargs, fkwargs)), args, kwargs)
+    return call(functools.partial(_apply, factory, fargs, fkwargs), args, kwargs)
 
 
 def call(fn: Callable, args: tuple, kwargs: dict):
     """``fn(*args, **kwargs)`` as one opaque call of the graph."""
+    if torch.compiler.is_dynamo_compiling():
+        leaves: list = []
+        spec = _lift(fn, leaves)
+        if leaves:       # closes over tensors of the region: they become inputs of the call
+            return _ENTRY[0](_Static(spec, tuple(leaves)), args, kwargs)
     return _ENTRY[0](_Static(fn), args, kwargs)
+
+
+# ---- functions made inside the compiled region that close over its tensors ------------------
+# Dynamo makes a function defined inside the compiled region a Python constant of the graph by
+# rebuilding it from its code and its closure, which fails when a cell holds a tensor of the
+# region (ClosureConversionError).  ``_lift`` runs in Dynamo's trace (Dynamo interprets it): it
+# walks the transform's configuration (partials, tuples, lists, dicts, functions) and returns a
+# constant spec in which every tensor is replaced by its index in ``leaves``, the tensors
+# themselves becoming graph inputs of the opaque call; ``_rebuild`` runs in the call (under
+# AOTAutograd) and makes the function again from its code, its module's globals and new cells.
+# Dynamo does not let traced code read ``__closure__``, so the cells' contents are read by a
+# ``comptime`` hook (``_cells``), Dynamo's documented window on its trace state.
+
+_CONST, _LEAF, _FN, _PARTIAL, _TUPLE, _LIST, _DICT = range(7)
+
+
+def _lift(obj: Any, leaves: list):
+    if isinstance(obj, torch.Tensor):
+        leaves.append(obj)
+        return (_LEAF, len(leaves) - 1)
+    if isinstance(obj, functools.partial):
+        return (_PARTIAL, _lift(obj.func, leaves), _lift(obj.args, leaves),
+                _lift(obj.keywords, leaves))
+    if isinstance(obj, tuple):
+        return (_TUPLE, tuple(_lift(o, leaves) for o in obj))
+    if isinstance(obj, list):
+        return (_LIST, tuple(_lift(o, leaves) for o in obj))
+    if isinstance(obj, dict):
+        return (_DICT, tuple((k, _lift(v, leaves)) for k, v in obj.items()))
+    if isinstance(obj, types.FunctionType) and obj.__code__.co_freevars:
+        fn = obj
+        out: list = []
+        from torch._dynamo.comptime import comptime
+        comptime(_cells)    # out = [made in the region with a non-constant closure, module, ...]
+        if out and out[0]:
+            return (_FN, fn.__code__, out[1], fn.__name__, _lift(out[2], leaves),
+                    _lift(out[3], leaves), tuple(_lift(c, leaves) for c in out[4:]))
+    return (_CONST, obj)
+
+
+def _cells(ctx) -> None:
+    """comptime hook, called by ``_lift`` (at trace time, in Dynamo): appends to the local
+    ``out`` whether the local ``fn`` is a function made in the region whose closure is not a
+    Python constant, and if so its module's name, defaults, keyword defaults and cell contents.
+    Anything it cannot read is a graph break (the transform then runs eagerly), never an error."""
+    import sys
+    fn_var = ctx.get_local("fn")
+    if fn_var.is_python_constant():
+        return
+    try:
+        fn = fn_var._i_will_not_complain_if_bc_breaks_VariableTracker()
+        out = ctx.get_local("out")._i_will_not_complain_if_bc_breaks_VariableTracker()
+        tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+        from torch._dynamo.variables import ConstantVariable
+        f_globals = fn.f_globals
+        module = f_globals.get("__name__")
+        if getattr(sys.modules.get(module), "__dict__", None) is not f_globals:
+            raise LookupError(f"the globals of {module!r} are not its module's")
+        items = [ConstantVariable.create(True), ConstantVariable.create(module),
+                 fn.defaults or ConstantVariable.create(None),
+                 fn.kwdefaults or ConstantVariable.create(None)]
+        for cell in fn.closure.items:
+            contents = tx.output.side_effects.load_cell(cell)
+            if contents is fn:
+                raise RecursionError("the function closes over itself")
+            items.append(contents)
+    except Exception as e:  # noqa: BLE001 -- any failure to read the closure: run eagerly
+        ctx.graph_break("functrans: a function made inside the compiled region closes over a "
+                        f"value that is not a constant and could not be lifted ({e!r}); the "
+                        "transform runs eagerly")
+        return
+    for item in items:
+        out.call_method(tx, "append", [item], {})
+
+
+def _rebuild(spec: tuple, leaves: tuple):
+    kind = spec[0]
+    if kind == _CONST:
+        return spec[1]
+    if kind == _LEAF:
+        return leaves[spec[1]]
+    if kind == _PARTIAL:
+        return functools.partial(_rebuild(spec[1], leaves), *_rebuild(spec[2], leaves),
+                                 **_rebuild(spec[3], leaves))
+    if kind == _TUPLE:
+        return tuple(_rebuild(s, leaves) for s in spec[1])
+    if kind == _LIST:
+        return [_rebuild(s, leaves) for s in spec[1]]
+    if kind == _DICT:
+        return {k: _rebuild(s, leaves) for k, s in spec[1]}
+    import sys
+    _, code, module, name, defaults, kwdefaults, cells = spec
+    fn = types.FunctionType(code, sys.modules[module].__dict__, name, _rebuild(defaults, leaves),
+                            tuple(types.CellType(_rebuild(c, leaves)) for c in cells))
+    fn.__kwdefaults__ = _rebuild(kwdefaults, leaves)
+    return fn
 
 
 def _vjp_forward(vjp_transform, func, has_aux, *primals):
