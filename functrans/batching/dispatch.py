@@ -65,7 +65,7 @@ def dispatch(op, args: Tuple[Any, ...], kwargs: Dict[str, Any], entry=None,
     if entry is None:
         entry = _entries.get(id(op)) or registry.entry(op)
     if entry.how == "cia":
-        return op.decompose(*args, **kwargs)
+        return entry.decompose(*args, **kwargs)
 
     # 3. unwrap
     grad_on = _grad_enabled()

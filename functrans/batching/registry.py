@@ -71,7 +71,7 @@ class OpEntry:
 
     __slots__ = ("op", "name", "how", "rule", "family", "checks_inplace", "batched_kwargs",
                  "written_pos", "written_kw", "returns_self", "returns_none", "inplace_view",
-                 "random", "checked")
+                 "random", "checked", "decompose")
 
     def __init__(self, op: torch._ops.OpOverload):
         self.op = op  # keeps the overload alive, so its id() stays a valid key
@@ -90,11 +90,18 @@ class OpEntry:
         self.family = reg.family if reg is not None else _guess_family(op)
         self.checks_inplace = reg is not None and reg.checks_inplace
         self.batched_kwargs = reg is not None and reg.batched_kwargs
+        # A 'cia' op's own decomposition, bound once: ``op.decompose`` looks the kernel up by
+        # the op's name on every call (a few microseconds; movedim, flatten... reach it often).
+        self.decompose = None
+        if self.how == "cia":
+            self.decompose = op.decompose if _CIA in op.py_kernels \
+                else functools.partial(op._op_dk, _CIA)
 
     def __repr__(self) -> str:
         return f"OpEntry({self.name}, how={self.how!r}, family={self.family!r})"
 
 
+_CIA = torch._C.DispatchKey.CompositeImplicitAutograd
 _registrations: Dict[torch._ops.OpOverload, Registration] = {}
 _tag_factories: Dict[torch.Tag, Tuple[Callable[[torch._ops.OpOverload], Optional[Rule]], str]] = {}
 _entries: Dict[int, OpEntry] = {}
