@@ -39,7 +39,7 @@ from torch import nn
 
 import functrans as ft
 
-from .workloads import Row
+from .workloads import Row, SmallCNN as OpacusCNN   # no buffers, as Opacus requires
 
 OPACUS_VERSION = "1.6.0"
 MISSING = (f"opacus is not installed (bash scripts/setup.sh bench, or .venv/bin/pip install "
@@ -101,22 +101,6 @@ class FunctransEngine:
             setattr(ofunctorch, name, value)
         self._saved = None
         return False
-
-
-class OpacusCNN(nn.Module):
-    """The small MNIST-like CNN (no buffers, as Opacus requires)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 7 * 7, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
 class OpacusLSTM(nn.Module):

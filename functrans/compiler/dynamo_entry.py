@@ -202,6 +202,7 @@ def _cells(ctx) -> None:
     fn_var = ctx.get_local("fn")
     if fn_var.is_python_constant():
         return
+    reason = None
     try:
         fn = fn_var._i_will_not_complain_if_bc_breaks_VariableTracker()
         out = ctx.get_local("out")._i_will_not_complain_if_bc_breaks_VariableTracker()
@@ -210,18 +211,22 @@ def _cells(ctx) -> None:
         f_globals = fn.f_globals
         module = f_globals.get("__name__")
         if getattr(sys.modules.get(module), "__dict__", None) is not f_globals:
-            raise LookupError(f"the globals of {module!r} are not its module's")
-        items = [ConstantVariable.create(True), ConstantVariable.create(module),
-                 fn.defaults or ConstantVariable.create(None),
-                 fn.kwdefaults or ConstantVariable.create(None)]
-        for cell in fn.closure.items:
-            contents = tx.output.side_effects.load_cell(cell)
-            if contents is fn:
-                raise RecursionError("the function closes over itself")
-            items.append(contents)
+            reason = f"the globals of {module!r} are not its module's"
+        else:
+            items = [ConstantVariable.create(True), ConstantVariable.create(module),
+                     fn.defaults or ConstantVariable.create(None),
+                     fn.kwdefaults or ConstantVariable.create(None)]
+            for cell in fn.closure.items:
+                contents = tx.output.side_effects.load_cell(cell)
+                if contents is fn:
+                    reason = "the function closes over itself"
+                    break
+                items.append(contents)
     except Exception as e:  # noqa: BLE001 -- any failure to read the closure: run eagerly
+        reason = repr(e)
+    if reason is not None:
         ctx.graph_break("functrans: a function made inside the compiled region closes over a "
-                        f"value that is not a constant and could not be lifted ({e!r}); the "
+                        f"value that is not a constant and could not be lifted ({reason}); the "
                         "transform runs eagerly")
         return
     for item in items:

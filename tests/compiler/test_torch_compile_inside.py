@@ -221,15 +221,19 @@ def test_randomness_matches_eager_with_the_same_seed(randomness):
     assert differs == (randomness == "different")
 
 
-def test_randomness_error_raises_as_in_eager():
-    x = torch.randn(4, 5)
-    with pytest.raises(Exception) as eager:
-        functrans.vmap(_noisy)(x)
+def _assert_same_error_as_eager(fn, x, error=Exception):
+    """functrans.vmap of the compiled ``fn`` raises eager's error, with eager's message."""
+    with pytest.raises(error) as eager:
+        functrans.vmap(fn)(x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CompileWarning)
         with pytest.raises(type(eager.value)) as compiled:
-            functrans.vmap(torch.compile(_noisy, backend=BACKEND))(x)
+            functrans.vmap(torch.compile(fn, backend=BACKEND))(x)
     assert str(compiled.value) == str(eager.value)
+
+
+def test_randomness_error_raises_as_in_eager():
+    _assert_same_error_as_eager(_noisy, torch.randn(4, 5))
 
 
 # ---------------------------------------------------------------------------------- in place
@@ -262,14 +266,7 @@ def _scaled_by_total(x):
 
 
 def test_item_under_vmap_gives_the_eager_error():
-    x = torch.randn(4, 3)
-    with pytest.raises(UnsupportedUnderVmap) as eager:
-        functrans.vmap(_scaled_by_total)(x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CompileWarning)
-        with pytest.raises(UnsupportedUnderVmap) as compiled:
-            functrans.vmap(torch.compile(_scaled_by_total, backend=BACKEND))(x)
-    assert str(compiled.value) == str(eager.value)
+    _assert_same_error_as_eager(_scaled_by_total, torch.randn(4, 3), UnsupportedUnderVmap)
 
 
 def test_item_under_grad_works():
