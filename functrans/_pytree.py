@@ -42,7 +42,7 @@ def tree_flatten(tree: Any):
     answered directly."""
     t = type(tree)
     if t is tuple or t is list:
-        if len(tree) < 16:
+        if len(tree) < 16:   # (one cached spec per container length: keep the cache small)
             for x in tree:
                 if not isinstance(x, _Tensor) or type(x) in _NODES:
                     return _flatten(tree)

@@ -29,7 +29,7 @@ def grad_and_value(func: Callable, argnums: Argnums = 0, has_aux: bool = False) 
     (``((gradient, (value, aux))`` with ``has_aux``)."""
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        if torch.compiler.is_compiling() and dynamo_entry.active():  # inside torch.compile
+        if dynamo_entry.active():  # inside torch.compile
             return dynamo_entry.call_transform(grad_and_value, (func, argnums, has_aux), {},
                                                args, kwargs)
         g, value, aux = grad_and_value_impl(func, argnums, has_aux, args, kwargs,
@@ -53,7 +53,7 @@ def grad(func: Callable, argnums: Argnums = 0, has_aux: bool = False) -> Callabl
     """
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        if torch.compiler.is_compiling() and dynamo_entry.active():  # inside torch.compile
+        if dynamo_entry.active():  # inside torch.compile
             return dynamo_entry.call_transform(grad, (func, argnums, has_aux), {}, args, kwargs)
         g, _, aux = grad_and_value_impl(func, argnums, has_aux, args, kwargs, "grad")
         return (g, aux) if has_aux else g

@@ -8,8 +8,7 @@ checked by ``errors.check_chunk_size``, as vmap's is.  Errors open with the call
 (``errors.transform_call``): ``hessian``'s name its own call, not the jacfwd/jacrev inside it.
 
 Imports: _pytree, errors, _differentiable, vjp, jvp, batching.api (jacrev and jacfwd are vmaps of
-vjp and jvp), compiler.dynamo_entry (the route inside torch.compile), batching.compile_boundary
-(jacrev's eager retry of a torch.compile'd function).
+vjp and jvp), compiler.dynamo_entry (the route inside torch.compile).
 """
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ from ..compiler import dynamo_entry
 from ._differentiable import Argnums, normalize_argnums, replace_argnums, select_argnums
 from .jvp import jvp_impl
 from .vjp import vjp_impl
-from ..batching.compile_boundary import with_eager_retry
 
 
 def _basis(flat: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -74,16 +72,16 @@ def jacrev(func: Callable, argnums: Argnums = 0, *, has_aux: bool = False,
     """The Jacobian of ``func`` w.r.t. ``args[argnums]`` by reverse mode (vmap over vjp)."""
     api = transform_call("jacrev", func, argnums=argnums)
     check_chunk_size(chunk_size, api)
-    # a torch.compile'd backward inside cannot take jacrev's batched cotangents: the call then
-    # runs again with compiled functions eager (batching/compile_boundary.py)
-    return with_eager_retry(_jacrev(func, argnums, has_aux, chunk_size, api), api)
+    # (a torch.compile'd backward inside cannot take jacrev's batched cotangents: its vjp_fn then
+    # records the forward again with compiled functions eager, see autodiff/vjp.py)
+    return _jacrev(func, argnums, has_aux, chunk_size, api)
 
 
 def _jacrev(func, argnums, has_aux, chunk_size, api):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        if torch.compiler.is_compiling() and dynamo_entry.active():  # inside torch.compile
+        if dynamo_entry.active():  # inside torch.compile
             return dynamo_entry.call_transform(_jacrev, (func, argnums, has_aux, chunk_size, api),
                                                {}, args, kwargs)
         nums, primals, f = _argnums_setup(func, argnums, args, kwargs, api)
@@ -130,7 +128,7 @@ def _jacfwd(func, argnums, has_aux, randomness, chunk_size, api):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        if torch.compiler.is_compiling() and dynamo_entry.active():  # inside torch.compile
+        if dynamo_entry.active():  # inside torch.compile
             return dynamo_entry.call_transform(
                 _jacfwd, (func, argnums, has_aux, randomness, chunk_size, api), {}, args, kwargs)
         nums, primals, f = _argnums_setup(func, argnums, args, kwargs, api)

@@ -146,7 +146,7 @@ def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
     With ``strict=True`` an output that does not depend on the primals (its tangent would be
     zero) raises instead of getting a zero tangent, as in the reference library.
     """
-    if torch.compiler.is_compiling() and dynamo_entry.active():  # inside torch.compile
+    if dynamo_entry.active():  # inside torch.compile
         return dynamo_entry.call(functools.partial(jvp, func, strict=strict, has_aux=has_aux),
                                  (primals, tangents), {})
     api = transform_call("jvp", func, "primals", "tangents",

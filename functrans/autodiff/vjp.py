@@ -37,7 +37,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False):
     >>> vjp_fn(torch.ones(3))
     (tensor([1., 1., 1.]),)
     """
-    if torch.compiler.is_compiling() and dynamo_entry.active():  # inside torch.compile
+    if dynamo_entry.active():  # inside torch.compile
         return dynamo_entry.vjp(vjp, func, primals, has_aux)
     return vjp_impl(func, primals, has_aux, transform_call("vjp", func, "*primals"))
 

@@ -68,7 +68,7 @@ def vmap(func: Callable, in_dims: Any = 0, out_dims: Any = 0, randomness: str = 
 
     @functools.wraps(func)
     def wrapped(*args, **kwargs):
-        if torch.compiler.is_compiling() and dynamo_entry.active():  # inside torch.compile
+        if dynamo_entry.active():  # inside torch.compile
             return dynamo_entry.call_transform(vmap, (func, in_dims, out_dims, randomness),
                                                {"chunk_size": chunk_size}, args, kwargs)
         return _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs)

@@ -29,13 +29,12 @@ What this module does (``install()``, called by ``functrans/batching/__init__.py
    converting when it asked are noted, and their frame strategy is set back to DEFAULT when the
    vmap's mode exits (``VmapLevelMode.__exit__``, wrapped here): the function compiles again
    outside the vmap.
-3. ``jacrev`` (a vmap over a vjp's backward) retries eagerly (``retry_eagerly``) when a compiled
-   function's AOTAutograd backward refused the batched cotangents: the forward ran outside the
-   vmap, so it was compiled for plain tangents, and a compiled backward cannot take
-   ``BatchedTensor``s.  The retry runs the whole call again under
-   ``torch.compiler.set_stance("force_eager")``, after one warning.  ``vjp_fn`` does the same
-   under a vmap (``vmap(vjp_fn)(basis)``): it records the forward again, eager
-   (``autodiff/vjp.py``).
+3. ``vjp_fn`` under a vmap (``vmap(vjp_fn)(basis)``, and ``jacrev``, which is that) retries
+   eagerly (``retry_eagerly``, called by ``autodiff/vjp.py``) when a compiled function's
+   AOTAutograd backward refused the batched cotangents: the forward ran outside the vmap, so it
+   was compiled for plain tangents, and a compiled backward cannot take ``BatchedTensor``s.  The
+   retry records the forward again under ``torch.compiler.set_stance("force_eager")``, after one
+   warning, and pulls the cotangents back through that graph.
 
 ``grad``, ``vjp`` and ``jvp`` without a vmap need nothing: their tensors are plain, dynamo
 compiles the function (one graph, no break) and AOTAutograd differentiates it.
@@ -58,7 +57,6 @@ Imports: _levels, errors, batched_tensor, mode, above_dispatch, functionalizatio
 """
 from __future__ import annotations
 
-import functools
 import sys
 import warnings
 
@@ -163,20 +161,6 @@ def _compile_refused(cls) -> bool:
 def is_batched_tangent_refusal(error: BaseException) -> bool:
     """Did a compiled function's backward refuse batched cotangents (see the docstring)?"""
     return isinstance(error, RuntimeError) and _BATCHED_TANGENT in " ".join(str(error).split())
-
-
-def with_eager_retry(fn, api: str):
-    """``fn`` (a jacrev), run again by ``retry_eagerly`` when a compiled backward inside it
-    refused its batched cotangents."""
-    @functools.wraps(fn)
-    def retrying(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except RuntimeError as e:
-            if not is_batched_tangent_refusal(e):
-                raise
-            return retry_eagerly(lambda: fn(*args, **kwargs), e, api)
-    return retrying
 
 
 def retry_eagerly(call, error: BaseException, api: str):
