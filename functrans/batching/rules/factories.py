@@ -95,7 +95,9 @@ def fill_tensor_rule(info, in_dims, x, value):
 # ---------------------------------------------------------------------------------------------
 # linspace / logspace with tensor endpoints: a batched 0-d start or end gives each example its
 # own range.  The values follow eager's kernel: start + step * i for the first half of the
-# points and end - step * (steps - 1 - i) for the rest (logspace: base to those powers).
+# points and end - step * (steps - 1 - i) for the rest (logspace: base to those powers).  Like
+# eager, the result is made on ``device`` or else the default device, whatever device the
+# endpoints are on (eager reads them as numbers); endpoints on another device are copied there.
 
 def _space(info, in_dims, start, end, steps, base, dtype, device):
     dtype = dtype or torch.get_default_dtype()
@@ -105,7 +107,7 @@ def _space(info, in_dims, start, end, steps, base, dtype, device):
 
     def column(v, d):
         if isinstance(v, torch.Tensor):
-            v = v.to(dtype)
+            v = v.to(dtype=dtype, device=device)
             return (v if d is None else v.movedim(d, 0)).reshape(-1, 1).expand(B, 1)
         return torch.full((B, 1), v, dtype=dtype, device=device)
 
@@ -123,7 +125,7 @@ def _space_rule(base_arg: bool):
     def rule(info, in_dims, start, end, steps, *rest, dtype=None, layout=None, device=None,
              pin_memory=None):
         base = rest[0] if base_arg and rest else (10.0 if base_arg else None)
-        dev = device or next(v.device for v in (start, end) if isinstance(v, torch.Tensor))
+        dev = torch.device(device) if device is not None else torch.get_default_device()
         return _space(info, in_dims, start, end, steps, base, dtype, dev)
     return rule
 

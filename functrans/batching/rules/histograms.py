@@ -25,6 +25,9 @@ and a data-dependent histc range whose finiteness cannot be checked (nested vmap
 """
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 
 from ..batched_tensor import BatchedTensor
@@ -69,14 +72,28 @@ def _data_range(X, widen):
     return lo.unsqueeze(1), hi.unsqueeze(1)
 
 
+def _rounded(v: float, dtype: torch.dtype) -> float:
+    """``v`` rounded to ``dtype`` (float32 or float64) on the host, as the kernel's cast rounds
+    it (C's conversion, which struct's "f" format uses): infinite when it overflows."""
+    if dtype == torch.float64:
+        return v
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
 def _shared_range(X, lo, hi, widen):
+    """The range given as numbers, rounded to X's dtype and checked on the host, as numbers
+    (tensors are filled on X's device from them: neither a value read nor a host-to-device
+    copy, so nothing makes the host wait for a GPU)."""
     if lo == hi:
         lo, hi = lo - widen, hi + widen
-    lo_t = torch.tensor(lo, dtype=X.dtype, device=X.device)
-    hi_t = torch.tensor(hi, dtype=X.dtype, device=X.device)
-    if not (torch.isfinite(lo_t) and torch.isfinite(hi_t) and lo_t < hi_t):
-        raise Decline()
-    return lo_t, hi_t
+    lo, hi = _rounded(lo, X.dtype), _rounded(hi, X.dtype)
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi
+            and math.isfinite(_rounded(hi - lo, X.dtype))):
+        raise Decline()   # eager's error, or a width that overflows the dtype: the loop
+    return lo, hi
 
 
 @register_batch_rule(aten.histc.default)
@@ -85,7 +102,8 @@ def histc_rule(info, in_dims, x, bins=100, min=0, max=0):
     if min == max and X.shape[1] > 0:
         lo, hi = _data_range(X, 1)
     else:
-        lo, hi = _shared_range(X, float(min), float(max), 1)
+        lo, hi = (torch.full((), v, dtype=X.dtype, device=X.device)
+                  for v in _shared_range(X, float(min), float(max), 1))
     in_range = (X >= lo) & (X <= hi)
     return _accumulate(X, _linear_bins(X, lo, hi, bins), in_range, bins), 0
 
@@ -149,7 +167,7 @@ def histogram_bin_ct_rule(info, in_dims, x, bins=100, *, range=None, weight=None
     if range is None or len(range) != 2 or bins <= 0:
         raise Decline()
     lo, hi = _shared_range(X, float(range[0]), float(range[1]), 0.5)
-    edges = torch.linspace(float(lo), float(hi), bins + 1, dtype=X.dtype, device=X.device)
+    edges = torch.linspace(lo, hi, bins + 1, dtype=X.dtype, device=X.device)
     pos, in_range = _local_search(X, edges, bins)
     hist = _finish(_accumulate(X, pos, in_range, bins, _weights(weight, None, B, X)), edges,
                    density)

@@ -47,10 +47,11 @@ def topk_rule(info, in_dims, x, k, dim=-1, largest=True, sorted=True):
 # example's boundaries are one row, searched by that example's values only.
 
 def _scalar_as_tensor(value, device):
-    """What ATen makes of a Scalar argument (a Python float is a double)."""
+    """What ATen makes of a Scalar argument (a Python float is a double), filled on the
+    device (``torch.tensor(value, device=...)`` would copy it from the host: a sync on a GPU)."""
     dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) \
         else torch.complex128 if isinstance(value, complex) else torch.float64
-    return torch.tensor(value, dtype=dtype, device=device)
+    return torch.full((), value, dtype=dtype, device=device)
 
 
 def _search_rows(info, seq, seq_bdim, values, v_bdim, sorter, **flags):

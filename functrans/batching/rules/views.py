@@ -519,6 +519,21 @@ def _check_window(size, stride, offset, n):
             f"are out of bounds for storage of size {n} (one example's storage)")
 
 
+def _window_overlaps(size, stride, offset, n) -> bool:
+    """Whether two positions of the ``as_strided`` window fall on the same element.  Decided
+    on the host from the integers (a device tensor's ``unique()`` would make the host wait for
+    the GPU): the window cannot overlap when, dims taken by increasing stride, each stride
+    exceeds the span of the dims before it; otherwise the positions are counted on the CPU."""
+    dims = sorted((st, k) for k, st in zip(size, stride) if k > 1)
+    span = 0
+    for st, k in dims:
+        if st <= span:
+            where = torch.arange(n).as_strided(size, stride, offset).reshape(-1)  # CPU only
+            return where.numel() != where.unique().numel()
+        span += st * (k - 1)
+    return False
+
+
 @register_batch_rule(aten.as_strided.default)
 def as_strided_rule(info, in_dims, x, size, stride, storage_offset=None):
     """See the module docstring: a view when the examples own equal blocks of the storage, a
@@ -559,9 +574,9 @@ def as_strided_scatter_rule(info, in_dims, x, src, size, stride, storage_offset=
         raise Decline()
     P, n = _fresh_examples(X, b)
     _check_window(size, stride, offset, n)
-    where = torch.arange(n, device=P.device).as_strided(size, stride, offset).reshape(-1)
-    if where.numel() != where.unique().numel():
+    if _window_overlaps(size, stride, offset, n):
         raise Decline()   # overlapping windows: eager's result depends on the write order
+    where = torch.arange(n, device=P.device).as_strided(size, stride, offset).reshape(-1)
     flat = P.as_strided((B, n), (n, 1), 0)
     S = ensure_bdim_front(src, in_dims[1], B).reshape(B, -1).to(P.dtype)
     out = flat.index_copy(1, where, S)

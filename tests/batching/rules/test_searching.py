@@ -100,6 +100,23 @@ def test_histc(bins, lo, hi):
         check_exact_on_edges(lambda v: torch.histc(v, bins, lo, hi), lo, hi, bins)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("lo,hi", [(-1e39, 1e39), (1.0, 1.0 + 2.0 ** -30), (-3e38, 3e38)])
+@pytest.mark.filterwarnings("ignore::functrans.PerformanceWarning")
+def test_histc_range_checked_on_the_host_as_the_kernel_rounds_it(dtype, lo, hi):
+    # issue 17: the range is rounded to the input's dtype and checked as numbers on the host
+    # (no value read of a device tensor); edge ranges give eager's result or eager's error
+    x = torch.randn(3, 5, generator=g).to(dtype)
+    f = lambda v: torch.histc(v, 4, lo, hi)  # noqa: E731
+    try:
+        expected = torch.stack([f(v) for v in x])
+    except RuntimeError as e:
+        with pytest.raises(RuntimeError, match=str(e).splitlines()[0][:40]):
+            ft.vmap(f)(x)
+    else:
+        assert_same(ft.vmap(f)(x), expected)
+
+
 def test_histc_with_a_data_dependent_range_declines_under_nesting_only():
     x = torch.randn(2, 6, generator=g)
     check_vmap(lambda v: torch.histc(v, 4), [x], (0,))

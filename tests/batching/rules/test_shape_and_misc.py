@@ -60,6 +60,18 @@ def test_linspace_logspace_tensor_endpoints(steps):
     check_vmap_all_bdims(lambda a: torch.logspace(a, 1.0, steps), [s])
 
 
+def test_linspace_with_tensor_endpoints_is_made_on_the_default_device_as_in_eager():
+    # eager reads the endpoints as numbers and makes the result on `device` or the default
+    # device, wherever the endpoints live (issue 17: the rule used the endpoints' device)
+    s = torch.tensor([-1.0, 0.5, 2.0])
+    f = lambda a: torch.linspace(a, 3.0, 5)  # noqa: E731
+    with torch.device("meta"):
+        got, expected = ft.vmap(f)(s), torch.stack([f(a) for a in s])
+    assert got.device == expected.device == torch.device("meta") and got.shape == (3, 5)
+    g = lambda a: torch.logspace(a, 1.0, 4, device="meta")  # noqa: E731
+    assert ft.vmap(g)(s).device.type == "meta"
+
+
 def test_integer_linspace_declines_to_the_correct_loop():
     s = torch.tensor([0.0, 1.0, 2.0])
     f = lambda a: torch.linspace(a, 10, 4, dtype=torch.int64)
