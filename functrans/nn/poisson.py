@@ -143,7 +143,8 @@ def poisson_data_loader(dataset: Any, *, sample_rate: float, steps: Optional[int
     from ``PoissonSampler(len(dataset), sample_rate, steps=, generator=, seed=)``.
 
     An empty batch collates to zero-row tensors shaped like ``dataset[0]``'s (the default
-    collate function would fail on it).  ``collate_fn`` (default: torch's ``default_collate``)
+    collate function would fail on it): ``collate_fn([dataset[0]])`` with every tensor in it
+    (in tuples, lists, dicts) cut to its first zero rows.  ``collate_fn`` (default: torch's ``default_collate``)
     and any other ``DataLoader`` argument (``num_workers``, ``pin_memory``...) pass through;
     ``batch_size``, ``shuffle``, ``sampler`` and ``batch_sampler`` are the sampler's.
     ``loader.batch_sampler`` is the ``PoissonSampler`` (``.expected_batch_size``).
