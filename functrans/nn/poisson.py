@@ -26,8 +26,7 @@ import numbers
 from typing import Any, Callable, Iterator, List, Optional, cast
 
 import torch
-from torch.utils.data import DataLoader, Sampler
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, Sampler, default_collate
 
 from ..errors import TransformArgumentError, transform_call
 
