@@ -538,6 +538,68 @@ def _dp_sgd_params():
         dist.destroy_process_group()
 
 
+@_checks(*(f"nn.privacy_spent.{p}" for p in (
+    "noise_multiplier", "sample_rate", "steps", "delta", "accountant")),
+    *(f"nn.noise_for_epsilon.{p}" for p in (
+        "target_epsilon", "sample_rate", "steps", "delta", "accountant", "epsilon_tolerance")),
+    "nn.PrivacyLedger.accountant")
+def _privacy_params():
+    from functrans.nn import PrivacyLedger, noise_for_epsilon, privacy_spent
+    with pytest.raises(TransformArgumentError, match="accountant must be one of"):
+        privacy_spent(noise_multiplier=1.0, sample_rate=0.1, steps=1, delta=1e-5,
+                      accountant="x")
+    pytest.importorskip("opacus")
+    base = dict(noise_multiplier=1.0, sample_rate=0.02, steps=100, delta=1e-5)
+    eps = privacy_spent(**base)
+    for name, value in (("noise_multiplier", 2.0), ("sample_rate", 0.01), ("steps", 50),
+                        ("delta", 1e-3), ("accountant", "prv")):   # each lowers ε
+        assert 0 < privacy_spent(**{**base, name: value}) < eps, name
+    plan = dict(target_epsilon=2.0, sample_rate=0.02, steps=100, delta=1e-5)
+    sigma = noise_for_epsilon(**plan)
+    for name, value in (("target_epsilon", 4.0), ("sample_rate", 0.01), ("steps", 50),
+                        ("delta", 1e-3), ("accountant", "prv")):   # each needs less noise
+        assert 0 < noise_for_epsilon(**{**plan, name: value}) < sigma, name
+    assert noise_for_epsilon(**plan, epsilon_tolerance=0.5) != sigma
+    for accountant in ("rdp", "prv"):
+        ledger = PrivacyLedger(accountant)
+        ledger.step(noise_multiplier=1.0, sample_rate=0.02, steps=100)
+        assert ledger.epsilon(1e-5) == privacy_spent(**base, accountant=accountant)
+
+
+@_checks(*(f"nn.PoissonSampler.{p}" for p in (
+    "num_samples", "sample_rate", "steps", "generator", "seed")),
+    *(f"nn.poisson_data_loader.{p}" for p in (
+        "dataset", "sample_rate", "steps", "generator", "seed", "collate_fn",
+        "loader_kwargs")))
+def _poisson_params():
+    from functrans.nn import PoissonSampler, poisson_data_loader
+    batches = [i.tolist() for i in PoissonSampler(40, 0.25, steps=6, seed=1)]
+    assert len(batches) == 6 and all(0 <= v < 40 for b in batches for v in b)
+    assert len(PoissonSampler(40, 0.25)) == 4
+    assert batches == [i.tolist() for i in PoissonSampler(
+        40, 0.25, steps=6, generator=torch.Generator().manual_seed(1))]
+    assert batches != [i.tolist() for i in PoissonSampler(40, 0.25, steps=6, seed=2)]
+    assert sum(map(len, PoissonSampler(40, 0.9, steps=6, seed=1))) > \
+        sum(map(len, batches)) > 0
+    with pytest.raises(TransformArgumentError, match="num_samples"):
+        PoissonSampler(0, 0.5)
+    data = torch.utils.data.TensorDataset(torch.arange(40))
+    loader = poisson_data_loader(data, sample_rate=0.25, steps=6, seed=1)
+    assert [b[0].tolist() for b in loader] == batches
+    assert [b[0].tolist() for b in poisson_data_loader(
+        data, sample_rate=0.25, steps=6, generator=torch.Generator().manual_seed(1))] == batches
+    assert len(poisson_data_loader(data, sample_rate=0.5)) == 2
+    assert len(poisson_data_loader(data, sample_rate=0.25, seed=2, steps=6)) == 6
+    counted = poisson_data_loader(data, sample_rate=0.25, steps=6, seed=1,
+                                  collate_fn=lambda rows: len(rows))
+    assert list(counted) == [len(b) for b in batches]
+    pinned = poisson_data_loader(data, sample_rate=0.25, steps=1, seed=1, num_workers=0,
+                                 pin_memory=False)
+    assert pinned.num_workers == 0
+    with pytest.raises(TransformArgumentError, match="batch_size"):
+        poisson_data_loader(data, sample_rate=0.25, batch_size=4)
+
+
 @_checks("compile.fn", "compile.backend", "compile.dynamic", "compile.strict",
          "compile.cache_size")
 def _compile_params():

@@ -53,7 +53,16 @@ exactly ``0.0`` to every coordinate of the clipped sum.  Steps 1-3 run as one gr
 Argument errors are ``functrans.errors`` types that open with the call echoed
 (``transform_call``), e.g. ``dp_sgd_grads(model, loss_fn, batch, max_norm=0.0, ...): ...``.
 
-Imports: errors, stateless, batching.api, autodiff.grad, compiler.function.
+Sampling and accounting (re-exported here from ``functrans.nn.poisson`` and
+``functrans.nn.dp_accounting``): ``PoissonSampler`` / ``poisson_data_loader`` draw the batches
+(each example joins a step with probability ``sample_rate``; divide the noisy sum by
+``sampler.expected_batch_size`` for a mean); ``privacy_spent(noise_multiplier=, sample_rate=,
+steps=, delta=, accountant="rdp")`` is the ε of a run, ``noise_for_epsilon(target_epsilon=,
+...)`` the noise multiplier of a planned one, and ``PrivacyLedger`` the ε so far, step by step
+(all from Opacus's accountants, an optional dependency: ``pip install functrans[dp]``).
+
+Imports: errors, stateless, batching.api, autodiff.grad, compiler.function, dp_accounting,
+poisson.
 """
 from __future__ import annotations
 
@@ -72,7 +81,8 @@ from .stateless import functional_call
 
 __all__ = ["per_sample_grads", "clip_and_sum", "add_gaussian_noise", "dp_sgd_grads",
            "assign_grads", "surrogate_loss", "compiled_private_step", "CompiledPrivateStep",
-           "CLIP_EPS"]
+           "CLIP_EPS", "PoissonSampler", "poisson_data_loader", "privacy_spent",
+           "noise_for_epsilon", "PrivacyLedger"]
 
 CLIP_EPS = 1e-6  # the Opacus constant in the clipping factor min(1, C / (norm + eps))
 
@@ -550,3 +560,9 @@ def surrogate_loss(model: nn.Module, grads: Mapping[str, torch.Tensor], *,
     if anchor is not None:
         loss = loss + 0.0 * anchor.sum()
     return loss
+
+
+# Poisson sampling and privacy accounting live in their own modules; they are part of the DP-SGD
+# API, so they are importable from here too.
+from .dp_accounting import PrivacyLedger, noise_for_epsilon, privacy_spent  # noqa: E402
+from .poisson import PoissonSampler, poisson_data_loader  # noqa: E402

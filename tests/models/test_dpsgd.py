@@ -240,13 +240,50 @@ def test_two_processes_equal_one_process(mode, two_process_results):
         assert not torch.allclose(alone["0.weight"], ref["0.weight"], atol=1e-4)
 
 
-def test_training_example_runs_and_learns():
-    import pathlib
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples",
+                       "dp_sgd_mnist_like.py")
+
+
+@pytest.fixture(scope="module")
+def example_output():
+    """The DP-SGD example's stdout, run as a user runs it (with this checkout's functrans)."""
+    root = os.path.abspath(os.path.join(os.path.dirname(EXAMPLE), os.pardir))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    return subprocess.run([sys.executable, EXAMPLE], capture_output=True, text=True,
+                          timeout=120, check=True, env=env).stdout
+
+
+def test_training_example_runs_and_learns(example_output):
     import re
-    import subprocess
-    import sys
-    script = pathlib.Path(__file__).resolve().parents[2] / "examples" / "dp_sgd_mnist_like.py"
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    out = example_output
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) >= 3 and losses[-1] < 0.5 * losses[0], out
+    sizes = [(int(a), int(b)) for a, b in re.findall(r"batch sizes (\d+)-(\d+)", out)]
+    assert len(sizes) == 2 and all(lo < hi for lo, hi in sizes), out   # Poisson: sizes vary
+
+
+def test_training_example_prints_the_epsilon_of_its_run(example_output):
+    """The planned noise multiplier is noise_for_epsilon's, and the ε printed after each epoch
+    is privacy_spent(...) of the steps taken so far, within the target."""
+    pytest.importorskip("opacus")
+    import importlib.util
+    import re
+    from functrans.nn.dp import noise_for_epsilon, privacy_spent
+    spec = importlib.util.spec_from_file_location("dp_sgd_mnist_like", EXAMPLE)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)   # the constants (main() runs only as a script)
+    out = example_output
+    sigma = noise_for_epsilon(target_epsilon=ex.TARGET_EPSILON, sample_rate=ex.SAMPLE_RATE,
+                              steps=ex.EPOCHS * ex.STEPS_PER_EPOCH, delta=ex.DELTA)
+    planned = re.search(r"need noise multiplier (\d+\.\d+)", out)
+    assert planned and float(planned.group(1)) == pytest.approx(sigma, abs=5e-7), out
+    printed = re.findall(r"epoch (\d+) +(\d+) steps.*ε = (\d+\.\d+) \(δ = ([\d.e-]+), RDP\)",
+                         out)
+    assert [int(e) for e, _, _, _ in printed] == list(range(1, ex.EPOCHS + 1)), out
+    for epoch, steps, eps, delta in printed:
+        assert int(steps) == int(epoch) * ex.STEPS_PER_EPOCH and float(delta) == ex.DELTA
+        expected = privacy_spent(noise_multiplier=sigma, sample_rate=ex.SAMPLE_RATE,
+                                 steps=int(steps), delta=ex.DELTA)
+        assert float(eps) == pytest.approx(expected, abs=5e-5), out
+    assert ex.TARGET_EPSILON - 0.01 <= float(printed[-1][2]) <= ex.TARGET_EPSILON
