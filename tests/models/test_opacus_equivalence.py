@@ -146,7 +146,7 @@ def test_noise_has_the_documented_std_on_both_sides(reduction):
         noise = noisy["2.weight"] - clean["2.weight"]
         mean, std, within, n = _noise_stats(noise, sigma)
         assert n == 65536
-        assert abs(mean) < 5 / math.sqrt(n), f"{side}: noise mean {mean * sigma:.2e}"
+        assert abs(mean) < 6 / math.sqrt(n), f"{side}: noise mean {mean * sigma:.2e}"
         assert abs(std - 1) < 0.03, f"{side}: noise std {std * sigma:.4e}, expected {sigma}"
         assert abs(within - 0.6827) < 0.01, f"{side}: {within:.4f} within one sigma"
 
