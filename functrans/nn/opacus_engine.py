@@ -60,7 +60,8 @@ _installed: Optional["FunctransEngine"] = None
 def _opacus_functorch(api: str) -> Any:
     """opacus.grad_sample.functorch, or a MissingDependencyError that says what to install."""
     try:
-        from opacus.grad_sample import functorch as ofunctorch
+        # opacus ships no type information (and mypy may run without it): hence the ignore
+        from opacus.grad_sample import functorch as ofunctorch  # type: ignore
     except ImportError as e:
         raise MissingDependencyError(
             f"{api}: functrans.nn.opacus_engine needs the optional 'opacus' package, which is "
@@ -76,11 +77,11 @@ def _make_functional(mod: nn.Module, disable_autograd_tracking: bool = False
     ``functrans.functional_call`` where Opacus calls ``torch.func.functional_call``."""
     params_dict = dict(mod.named_parameters())
     params_names = list(params_dict.keys())
-    params_values = tuple(params_dict.values())
+    params_values: Tuple[torch.Tensor, ...] = tuple(params_dict.values())
     stateless_mod = copy.deepcopy(mod)
     stateless_mod.to("meta")
     if hasattr(stateless_mod, "allow_grad_accumulation"):
-        stateless_mod.allow_grad_accumulation()
+        getattr(stateless_mod, "allow_grad_accumulation")()
 
     def fmodel(new_params_values: Tuple[torch.Tensor, ...], *args: Any, **kwargs: Any) -> Any:
         new_params_dict = dict(zip(params_names, new_params_values))
@@ -132,14 +133,13 @@ class FunctransEngine:
             ofunctorch.make_functional = _make_functional
         return self
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> None:
         ofunctorch = _opacus_functorch("functrans.nn.opacus_engine.use_functrans()")
         with _lock:
             if self._saved is not None:
                 for name, value in self._saved.items():
                     setattr(ofunctorch, name, value)
             self._saved = None
-        return False
 
     def __repr__(self) -> str:
         state = "active" if self.active else "inactive"

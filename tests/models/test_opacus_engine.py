@@ -184,7 +184,8 @@ def test_the_block_restores_opacus_on_error_and_is_not_reentrant(ofunctorch):
 
 
 def test_without_opacus_the_error_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "opacus.grad_sample", None)   # import fails
+    for name in ("opacus", "opacus.grad_sample", "opacus.grad_sample.functorch"):
+        monkeypatch.setitem(sys.modules, name, None)   # as if not installed: import fails
     with pytest.raises(MissingDependencyError, match=r"pip install functrans\[dp\]"):
         opacus_engine.use_functrans().__enter__()
     with pytest.raises(ImportError, match="--no-deps opacus==1.6.0"):
