@@ -238,14 +238,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=21)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print("equivalence, functrans vs Opacus (B=8, max_norm = median per-example norm, "
-          "noise off): max abs / max rel difference")
-    print(f"{'model':<20} {'dtype':<8} {'per-sample grads':>24} {'clipped mean grad':>24}")
+    print("equivalence, functrans vs Opacus (B=8, max_norm = median per-example norm): max abs "
+          "/ max rel difference; noise off, and noise on (noise_multiplier=1, one seed)")
+    print(f"{'model':<20} {'dtype':<8} {'per-sample grads':>20} {'clipped mean grad':>20} "
+          f"{'noisy mean grad':>20}")
     for name in MODELS:
         for dtype in (torch.float32, torch.float64):
             r = equivalence(name, dtype)
-            cells = [f"{a:.1e} / {b:.1e}" for a, b in (r["per-sample"], r["private mean"])]
-            print(f"{name:<20} {str(dtype)[6:]:<8} {cells[0]:>24} {cells[1]:>24}")
+            noisy = equivalence(name, dtype, noise_multiplier=1.0)["private mean"]
+            cells = [f"{a:.1e} / {b:.1e}" for a, b in (r["per-sample"], r["private mean"],
+                                                          noisy)]
+            print(f"{name:<20} {str(dtype)[6:]:<8} " + " ".join(f"{c:>20}" for c in cells))
     print(f"\nstep time (1 thread, B={args.batch}, noise on, median of {args.repeats} "
           f"interleaved steps)")
     print(f"{'model':<20} {'functrans ms':>13} {'Opacus ms':>10} {'functrans/Opacus':>17}")
