@@ -100,7 +100,7 @@ def test_custom_layer_equals_the_loop_and_opacus_torch_func(ofunctorch):
     from opacus import GradSampleModule
     model, x, y = _custom_model()
     with opacus_engine.use_functrans() as engine:
-        assert ofunctorch.vmap is not None and engine.active
+        assert ofunctorch.vmap.__self__ is engine and engine.active
         gsm = GradSampleModule(copy.deepcopy(model))
     assert not engine.active
     assert opacus_engine.functrans_layers(gsm) == ["1"]   # the custom layer; Linear: Opacus's
