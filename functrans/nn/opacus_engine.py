@@ -108,7 +108,7 @@ class FunctransEngine:
 
     @property
     def active(self) -> bool:
-        """Whether this engine's functions are the ones Opacus looks up now."""
+        """Whether this engine is entered (its block, or install(), has not ended)."""
         return self._saved is not None
 
     def _vmap(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
