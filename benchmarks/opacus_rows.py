@@ -12,6 +12,8 @@ Because ``prepare_layer`` binds the names when the ``GradSampleModule`` is built
 model is built inside the block and each of its timed steps runs inside it too; the torch.func
 model is built and run outside it.  Every per-sample-gradient function built inside the block
 counts its calls (``FunctransEngine.calls``), so the check can see that functrans did the work.
+The mechanism is the package's public adapter, ``functrans.nn.opacus_engine`` (its
+``FunctransEngine`` is what ``use_functrans()`` returns); this module only uses it.
 
 A step (what is timed) is the whole of Opacus's training step: ``optimizer.zero_grad()``, the
 ``GradSampleModule`` forward, the loss, ``loss.backward()`` (the hooks compute the per-sample
@@ -37,70 +39,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import functrans as ft
+from functrans.nn.opacus_engine import OPACUS_VERSION, FunctransEngine
 
 from .workloads import Row, SmallCNN as OpacusCNN   # no buffers, as Opacus requires
 
-OPACUS_VERSION = "1.6.0"
 MISSING = (f"opacus is not installed (bash scripts/setup.sh bench, or .venv/bin/pip install "
            f"--no-deps opacus=={OPACUS_VERSION} scipy opt_einsum)")   # scripts/setup.sh's pin
 NOISE_MULTIPLIER = 1.0
 MAX_GRAD_NORM = 1.0
 LR = 0.05
-
-
-def _ft_make_functional(mod: nn.Module, disable_autograd_tracking: bool = False):
-    """Opacus's ``make_functional`` (opacus/grad_sample/functorch.py) line for line, with
-    ``functrans.functional_call`` where Opacus calls ``torch.func.functional_call``."""
-    params_dict = dict(mod.named_parameters())
-    params_names = params_dict.keys()
-    params_values = tuple(params_dict.values())
-    stateless_mod = copy.deepcopy(mod)
-    stateless_mod.to("meta")
-    if hasattr(stateless_mod, "allow_grad_accumulation"):
-        stateless_mod.allow_grad_accumulation()
-
-    def fmodel(new_params_values, *args, **kwargs):
-        new_params_dict = dict(zip(params_names, new_params_values))
-        return ft.functional_call(stateless_mod, new_params_dict, args, kwargs)
-
-    if disable_autograd_tracking:
-        params_values = tuple(v.detach() for v in params_values)
-    return fmodel, params_values
-
-
-class FunctransEngine:
-    """``with engine:`` runs Opacus's functorch mode on functrans; ``calls`` counts the calls
-    of the per-sample-gradient functions built while it was active (one per layer and hook)."""
-
-    def __init__(self):
-        self.calls = 0
-        self._saved = None
-
-    def _vmap(self, fn, *args, **kwargs):
-        batched = ft.vmap(fn, *args, **kwargs)
-
-        def per_sample_grads(*a, **k):
-            self.calls += 1
-            return batched(*a, **k)
-        per_sample_grads.functrans_engine = self
-        return per_sample_grads
-
-    def __enter__(self):
-        from opacus.grad_sample import functorch as ofunctorch
-        if self._saved is not None:
-            raise RuntimeError("FunctransEngine: already active; it is not re-entrant")
-        self._saved = {n: getattr(ofunctorch, n) for n in ("vmap", "grad", "make_functional")}
-        ofunctorch.vmap, ofunctorch.grad = self._vmap, ft.grad
-        ofunctorch.make_functional = _ft_make_functional
-        return self
-
-    def __exit__(self, *exc):
-        from opacus.grad_sample import functorch as ofunctorch
-        for name, value in self._saved.items():
-            setattr(ofunctorch, name, value)
-        self._saved = None
-        return False
 
 
 class OpacusLSTM(nn.Module):
