@@ -140,7 +140,7 @@ def test_torchrun_two_processes_equal_one_process(tmp_path):
     assert "256 examples on rank 0 of 2" in log2 and "512 examples on rank 0 of 1" in log1
     assert "parameters identical on every rank" in log2
     losses = [[float(v) for v in re.findall(r"loss (\d+\.\d+)", log)] for log in (log1, log2)]
-    assert len(losses[0]) >= 3 and losses[0] == losses[1], (log1, log2)
+    assert len(losses[0]) >= 3 and losses[0] == pytest.approx(losses[1], abs=2e-4), (log1, log2)
     assert losses[0][-1] < losses[0][0]
     # Equal up to float summation order only: one process sums the 32 clipped gradients (and
     # then the noise) at once; two sum 16 each, rank 0 adds the noise to its part, and DDP adds
