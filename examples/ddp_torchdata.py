@@ -115,7 +115,7 @@ def loss_fn(out, y):
 def epsilon(args, steps, n):
     """ε after ``steps`` steps, if functrans.nn.dp can account (None otherwise)."""
     privacy_spent = getattr(dp, "privacy_spent", None)
-    if privacy_spent is None:
+    if privacy_spent is None or steps == 0:
         return None
     try:
         return privacy_spent(noise_multiplier=args.noise_multiplier,
