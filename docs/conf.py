@@ -6,14 +6,12 @@ Build:  bash scripts/docs.sh   (= bash scripts/setup.sh docs, then
 Sources: the pages under docs/ (MyST markdown), the API reference from the docstrings
 (autodoc + napoleon, so both Google-style "Args:/Returns:/Example:" sections and the older
 reST-style docstrings render), the notebooks of notebooks/ (rendered by MyST-NB from their
-stored outputs, never executed here; copied in by ``_sync_notebooks`` below), docs/misuse.md
+stored outputs, never executed here; copied in by docs/_ext/nb_sync.py), docs/misuse.md
 (included by errors.md) and the README's benchmark tables (parsed into a page and plots by
 docs/_ext/bench_page.py when the build starts).
 """
 from __future__ import annotations
 
-import filecmp
-import shutil
 import sys
 from pathlib import Path
 
@@ -23,6 +21,7 @@ sys.path.insert(0, str(ROOT))            # the checkout's functrans and benchmar
 sys.path.insert(0, str(DOCS / "_ext"))
 
 import functrans  # noqa: E402
+import nb_sync  # noqa: E402  (docs/_ext/nb_sync.py)
 
 project = "functrans"
 author = "the functrans authors"
@@ -38,31 +37,10 @@ extensions = [
 ]
 
 # --- notebooks -------------------------------------------------------------------------------
-# The notebooks live in notebooks/ (stored with their outputs by notebooks/build.py).  Sphinx
-# only reads sources under docs/, so every notebooks/*.ipynb is copied to docs/notebooks/ (a
-# git-ignored folder) when this file is loaded, i.e. before Sphinx looks for its sources.  A copy
-# is made only when the content changed, so a warm build does not re-read them; a copy whose
-# notebook was removed is deleted.  (Symlinks checked into git would also work on Linux, but a
-# new notebook would then need a new link by hand, and Windows checkouts turn them into text.)
-NOTEBOOKS_SRC = ROOT / "notebooks"
-NOTEBOOKS_DST = DOCS / "notebooks"
-
-
-def _sync_notebooks() -> None:
-    NOTEBOOKS_DST.mkdir(exist_ok=True)
-    wanted = {p.name: p for p in sorted(NOTEBOOKS_SRC.glob("*.ipynb"))}
-    if not wanted:
-        raise RuntimeError(f"docs: no notebooks found in {NOTEBOOKS_SRC}")
-    for stale in NOTEBOOKS_DST.glob("*.ipynb"):
-        if stale.name not in wanted:
-            stale.unlink()
-    for name, src in wanted.items():
-        dst = NOTEBOOKS_DST / name
-        if not dst.exists() or not filecmp.cmp(src, dst, shallow=False):
-            shutil.copy2(src, dst)
-
-
-_sync_notebooks()
+# notebooks/*.ipynb (stored with their outputs by notebooks/build.py) are copied into the
+# git-ignored docs/notebooks/ now, before Sphinx looks for sources (docs/_ext/nb_sync.py says why
+# a copy and not symlinks); docs/notebooks.md lists them with a glob.
+nb_sync.sync(ROOT / "notebooks", DOCS / "notebooks")
 
 nb_execution_mode = "off"      # rendered from the outputs stored in the notebooks
 nb_merge_streams = True
@@ -85,7 +63,6 @@ napoleon_use_rtype = False
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
 # misuse.md is included by errors.md and _generated/ by benchmarks.md, not pages of their own.
 exclude_patterns = ["_build", "_generated", "misuse.md", "**.ipynb_checkpoints"]
-suppress_warnings = ["myst.header"]   # notebooks start at "#" then skip to "###" in places
 
 # --- HTML ------------------------------------------------------------------------------------
 html_theme = "furo"
