@@ -58,6 +58,8 @@ autodoc_default_options = {"show-inheritance": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+# Sections the transforms' docstrings use beyond napoleon's own (rendered like "Note:").
+napoleon_custom_sections = ["Shapes", "Shape"]
 
 # --- sources ---------------------------------------------------------------------------------
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
