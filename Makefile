@@ -1,7 +1,7 @@
 # Shortcuts for the README's commands.  Every target sets up .venv first if needed.
 PY := .venv/bin/python
 
-.PHONY: demo test bench bench-readme bench-pytest notebooks
+.PHONY: demo test bench bench-readme bench-pytest notebooks docs
 
 demo:
 	bash scripts/demo.sh
@@ -20,3 +20,6 @@ bench-pytest:     ## the same workloads under pytest-benchmark
 
 notebooks:        ## rebuild the notebooks (execute and store with outputs)
 	bash scripts/setup.sh dev && $(PY) notebooks/build.py
+
+docs:             ## build the documentation site (warnings are errors) into docs/_build/html
+	bash scripts/docs.sh
