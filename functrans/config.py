@@ -18,6 +18,7 @@ import contextlib
 import sys
 import threading
 import types
+from typing import ContextManager, Iterator
 
 _state = threading.local()
 
@@ -35,7 +36,7 @@ class _Switch:
         setattr(_state, self.name, bool(value))
 
     @contextlib.contextmanager
-    def within(self, enabled: bool):
+    def within(self, enabled: bool) -> Iterator[None]:
         old = self.get()
         self.set(enabled)
         try:
@@ -50,12 +51,12 @@ is_strict, set_strict = _strict.get, _strict.set
 warns_on_fallback, set_warn_on_fallback = _warn.get, _warn.set
 
 
-def strict_fallback(enabled: bool = True):
+def strict_fallback(enabled: bool = True) -> ContextManager[None]:
     """Within the block, hitting the loop fallback raises ``UnsupportedUnderVmap``."""
     return _strict.within(enabled)
 
 
-def fallback_warnings(enabled: bool = True):
+def fallback_warnings(enabled: bool = True) -> ContextManager[None]:
     """Within the block (in this thread), the loop fallback warns (``enabled``) or not."""
     return _warn.within(enabled)
 

@@ -11,7 +11,7 @@ torch.compile).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
@@ -24,11 +24,12 @@ from ._differentiable import (Argnums, connected_outside, detach_tree, gradients
                               replace_argnums, select_argnums, split_aux)
 
 
-def grad_and_value(func: Callable, argnums: Argnums = 0, has_aux: bool = False) -> Callable:
+def grad_and_value(func: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False
+                   ) -> Callable[..., Any]:
     """Like ``grad``, but the function returns ``(gradient, value)``
     (``((gradient, (value, aux))`` with ``has_aux``)."""
     @functools.wraps(func)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         if dynamo_entry.active():  # inside torch.compile
             return dynamo_entry.call_transform(grad_and_value, (func, argnums, has_aux), {},
                                                args, kwargs)
@@ -38,7 +39,8 @@ def grad_and_value(func: Callable, argnums: Argnums = 0, has_aux: bool = False) 
     return wrapper
 
 
-def grad(func: Callable, argnums: Argnums = 0, has_aux: bool = False) -> Callable:
+def grad(func: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False
+         ) -> Callable[..., Any]:
     """The gradient of a function returning a scalar tensor, w.r.t. ``args[argnums]``.
 
     Args:
@@ -52,7 +54,7 @@ def grad(func: Callable, argnums: Argnums = 0, has_aux: bool = False) -> Callabl
     tensor([2., 4.])
     """
     @functools.wraps(func)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         if dynamo_entry.active():  # inside torch.compile
             return dynamo_entry.call_transform(grad, (func, argnums, has_aux), {}, args, kwargs)
         g, _, aux = grad_and_value_impl(func, argnums, has_aux, args, kwargs, "grad")
@@ -60,7 +62,9 @@ def grad(func: Callable, argnums: Argnums = 0, has_aux: bool = False) -> Callabl
     return wrapper
 
 
-def grad_and_value_impl(func, argnums, has_aux, args, kwargs, api):
+def grad_and_value_impl(func: Callable[..., Any], argnums: Argnums, has_aux: bool,
+                        args: Tuple[Any, ...], kwargs: Dict[str, Any], api: str
+                        ) -> Tuple[Any, torch.Tensor, Any]:
     """(gradient, value, aux) of ``func`` at ``args``; ``api`` names the caller in errors."""
     api_call = transform_call(api, func, argnums=argnums)
     if not args:

@@ -13,7 +13,7 @@ vjp and jvp), compiler.dynamo_entry (the route inside torch.compile).
 from __future__ import annotations
 
 import functools
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -41,14 +41,17 @@ def _basis(flat: List[torch.Tensor]) -> List[torch.Tensor]:
     return out
 
 
-def _partial(func, args, argnums, kwargs):
-    def f(*diff):
+def _partial(func: Callable[..., Any], args: Tuple[Any, ...], argnums: Argnums,
+             kwargs: Dict[str, Any]) -> Callable[..., Any]:
+    def f(*diff: Any) -> Any:
         chosen = diff if isinstance(argnums, tuple) else diff[0]
         return func(*replace_argnums(args, argnums, chosen), **kwargs)
     return f
 
 
-def _argnums_setup(func, argnums, args, kwargs, api):
+def _argnums_setup(func: Callable[..., Any], argnums: Argnums, args: Tuple[Any, ...],
+                   kwargs: Dict[str, Any], api: str
+                   ) -> Tuple[Argnums, Tuple[Any, ...], Callable[..., Any]]:
     if not args:
         raise TransformArgumentError(f"{api}: the function was called with no positional "
                                      "arguments; argnums chooses positional arguments.")
@@ -58,7 +61,8 @@ def _argnums_setup(func, argnums, args, kwargs, api):
     return argnums, primals, _partial(func, args, argnums, kwargs)
 
 
-def _nest(blocks, out_spec, in_structure, argnums):
+def _nest(blocks: List[List[torch.Tensor]], out_spec: Any, in_structure: Tuple[Any, Any],
+          argnums: Argnums) -> Any:
     """blocks[i][j]: block of output leaf i w.r.t. flat input leaf j -> nested result."""
     flat_in, in_spec = in_structure
     per_output = [tree_unflatten(row, in_spec) for row in blocks]
@@ -67,8 +71,8 @@ def _nest(blocks, out_spec, in_structure, argnums):
     return tree_unflatten(per_output, out_spec)
 
 
-def jacrev(func: Callable, argnums: Argnums = 0, *, has_aux: bool = False,
-           chunk_size: Optional[int] = None) -> Callable:
+def jacrev(func: Callable[..., Any], argnums: Argnums = 0, *, has_aux: bool = False,
+           chunk_size: Optional[int] = None) -> Callable[..., Any]:
     """The Jacobian of ``func`` w.r.t. ``args[argnums]`` by reverse mode (vmap over vjp)."""
     api = transform_call("jacrev", func, argnums=argnums)
     check_chunk_size(chunk_size, api)
@@ -77,10 +81,11 @@ def jacrev(func: Callable, argnums: Argnums = 0, *, has_aux: bool = False,
     return _jacrev(func, argnums, has_aux, chunk_size, api)
 
 
-def _jacrev(func, argnums, has_aux, chunk_size, api):
+def _jacrev(func: Callable[..., Any], argnums: Argnums, has_aux: bool, chunk_size: Optional[int],
+            api: str) -> Callable[..., Any]:
 
     @functools.wraps(func)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         if dynamo_entry.active():  # inside torch.compile
             return dynamo_entry.call_transform(_jacrev, (func, argnums, has_aux, chunk_size, api),
                                                {}, args, kwargs)
@@ -115,8 +120,8 @@ def _jacrev(func, argnums, has_aux, chunk_size, api):
     return wrapper
 
 
-def jacfwd(func: Callable, argnums: Argnums = 0, has_aux: bool = False, *,
-           randomness: str = "error", chunk_size: Optional[int] = None) -> Callable:
+def jacfwd(func: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False, *,
+           randomness: str = "error", chunk_size: Optional[int] = None) -> Callable[..., Any]:
     """The Jacobian of ``func`` w.r.t. ``args[argnums]`` by forward mode (vmap over jvp)."""
     api = transform_call("jacfwd", func, argnums=argnums)
     check_randomness(randomness, api)
@@ -124,10 +129,11 @@ def jacfwd(func: Callable, argnums: Argnums = 0, has_aux: bool = False, *,
     return _jacfwd(func, argnums, has_aux, randomness, chunk_size, api)
 
 
-def _jacfwd(func, argnums, has_aux, randomness, chunk_size, api):
+def _jacfwd(func: Callable[..., Any], argnums: Argnums, has_aux: bool, randomness: str,
+            chunk_size: Optional[int], api: str) -> Callable[..., Any]:
 
     @functools.wraps(func)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         if dynamo_entry.active():  # inside torch.compile
             return dynamo_entry.call_transform(
                 _jacfwd, (func, argnums, has_aux, randomness, chunk_size, api), {}, args, kwargs)
@@ -135,7 +141,7 @@ def _jacfwd(func, argnums, has_aux, randomness, chunk_size, api):
         flat_in, in_spec = tree_flatten(primals)
         basis = _basis(flat_in)
 
-        def push(*tangents):
+        def push(*tangents: Any) -> Any:
             res = jvp_impl(f, primals, tree_unflatten(list(tangents), in_spec), has_aux, api,
                            via_argnums=True)
             return (res[1], res[2]) if has_aux else res[1]
@@ -163,8 +169,8 @@ def _jacfwd(func, argnums, has_aux, randomness, chunk_size, api):
     return wrapper
 
 
-def hessian(func: Callable, argnums: Argnums = 0, *, has_aux: bool = False,
-            chunk_size: Optional[int] = None) -> Callable:
+def hessian(func: Callable[..., Any], argnums: Argnums = 0, *, has_aux: bool = False,
+            chunk_size: Optional[int] = None) -> Callable[..., Any]:
     """The Hessian of a scalar function: ``jacfwd(jacrev(func))`` (forward-over-reverse)."""
     api = transform_call("hessian", func, argnums=argnums)
     check_chunk_size(chunk_size, api)

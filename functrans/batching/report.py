@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Dict, Iterator, Optional, Union
+from typing import Any, Dict, Iterator, Optional, Union
 
 import torch
 
@@ -49,7 +49,7 @@ class FallbackReport:
     def __init__(self) -> None:
         self.ops: Dict[str, FallbackRecord] = {}
 
-    def _add(self, op, seconds: float) -> None:
+    def _add(self, op: Any, seconds: float) -> None:
         rec = self.ops.get(str(op))
         if rec is None:
             rec = self.ops[str(op)] = FallbackRecord(
@@ -99,7 +99,7 @@ class record_fallbacks:
         self.report = FallbackReport()
         self._thread: Optional[int] = None
 
-    def _observe(self, op, seconds: float) -> None:
+    def _observe(self, op: Any, seconds: float) -> None:
         if threading.get_ident() == self._thread:
             self.report._add(op, seconds)
 
@@ -108,7 +108,7 @@ class record_fallbacks:
         fallback.observers.append(self._observe)
         return self.report
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         fallback.observers.remove(self._observe)
 
 

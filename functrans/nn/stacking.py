@@ -11,7 +11,7 @@ Imports: errors, stateless, batching.api.
 from __future__ import annotations
 
 import copy
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -111,7 +111,7 @@ class Ensemble:
     def eval(self) -> "Ensemble":
         return self.train(False)
 
-    def __call__(self, *args, shared: bool = True, **kwargs):
+    def __call__(self, *args: Any, shared: bool = True, **kwargs: Any) -> Any:
         """Every member on ``args``: the same inputs for all (``shared=True``) or input ``i``
         along dim 0 for member ``i`` (``shared=False``).  Outputs gain a leading member dim."""
         if not shared:
@@ -122,7 +122,8 @@ class Ensemble:
                         f"dim 0 must be the number of members ({self.size}).")
         skeleton = self._skeleton
 
-        def one(params, buffers, *a):
+        def one(params: Dict[str, torch.Tensor], buffers: Dict[str, torch.Tensor],
+                *a: Any) -> Any:
             return functional_call(skeleton, (params, buffers), a, kwargs)
 
         data_dims = tuple(None if shared or not isinstance(a, torch.Tensor) else 0 for a in args)

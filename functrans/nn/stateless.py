@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple, Union
+from typing import (Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union,
+                    cast)
 
 import torch
 from torch import nn
@@ -128,12 +129,14 @@ def swapped_tensors(module: nn.Module, values: Mapping[str, torch.Tensor],
         yield from _swapped(module, values, api)
 
 
-def _swapped(module: nn.Module, values: Mapping[str, torch.Tensor], api: str):
+def _swapped(module: nn.Module, values: Mapping[str, torch.Tensor], api: str
+             ) -> Iterator[None]:
     undo: List[Tuple[Dict[str, Any], str, Any, bool]] = []
     try:
         for name, value in values.items():
             owner, leaf = _owner(module, name, api)
-            for table in (owner._parameters, owner._buffers):
+            tables = cast(Tuple[Dict[str, Any], ...], (owner._parameters, owner._buffers))
+            for table in tables:
                 if leaf in table:
                     undo.append((table, leaf, table[leaf], True))
                     table[leaf] = value
@@ -152,8 +155,9 @@ def _swapped(module: nn.Module, values: Mapping[str, torch.Tensor], api: str):
 
 
 def functional_call(module: nn.Module, parameter_and_buffer_dicts: Dicts,
-                    args: Union[Any, Tuple] = None, kwargs: Dict[str, Any] = None, *,
-                    tie_weights: bool = True, strict: bool = False):
+                    args: Union[Any, Tuple[Any, ...]] = None,
+                    kwargs: Optional[Dict[str, Any]] = None, *,
+                    tie_weights: bool = True, strict: bool = False) -> Any:
     """Call ``module(*args, **kwargs)`` with its parameters and buffers replaced by the
     tensors in ``parameter_and_buffer_dicts`` (see the module docstring)."""
     api = transform_call("functional_call", module, "parameter_and_buffer_dicts",
