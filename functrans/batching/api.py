@@ -40,28 +40,47 @@ def vmap(func: Callable[..., Any], in_dims: Any = 0, out_dims: Any = 0, randomne
     """Vectorize ``func`` over a batch dimension of its inputs.
 
     Write ``func`` for ONE example; ``vmap(func)`` runs it on a batch, as if by a loop over the
-    batch followed by ``torch.stack``, but with batched kernels.
+    batch followed by ``torch.stack``, but with batched kernels.  Inside ``func`` every mapped
+    tensor shows the shape of one example (the batch dim is hidden).
 
     Args:
-        func: a function of tensors (or pytrees of tensors) returning tensors (or pytrees).
+        func: a function of tensors (or pytrees of tensors: tuples, lists, dicts) returning
+            tensors (or pytrees of them).  Non-tensor arguments are passed through.
         in_dims: per positional argument, the dim to map over: an int (negative counts from the
             end), ``None`` for an argument shared by every example, or a pytree prefix of the
-            arguments. Keyword arguments are never mapped.
+            arguments (a tuple with one entry per positional argument, each an int, ``None`` or
+            a container matching that argument).  Keyword arguments are never mapped.  Every
+            mapped dim must have the same size ``B``.
         out_dims: where the batch dim goes in each output: an int, ``None`` (for outputs that
             do not depend on the batch), or a pytree prefix of the outputs (a 1-tuple ``(k,)``
             is accepted for a function that returns one tensor).
         randomness: ``'error'`` (random ops raise), ``'different'`` (each example draws its own
             values) or ``'same'`` (one draw shared by the batch).
         chunk_size: run the batch in chunks of this many examples (bounds memory); the result
-            is the same as without chunking.
+            is the same as without chunking.  ``None``: the whole batch at once.
 
     Returns:
-        The batched function.
+        The batched function.  Called with inputs whose mapped dims have size ``B``, it returns
+        ``func``'s outputs (same pytree structure), each tensor with a dim of size ``B``
+        inserted at its ``out_dim``: an output of per-example shape ``S`` has shape ``(B, *S)``
+        with ``out_dims=0``.
 
-    >>> import torch, functrans
-    >>> x = torch.randn(5, 3)
-    >>> functrans.vmap(torch.dot)(x, x).shape
-    torch.Size([5])
+    Raises:
+        TransformArgumentError: (a ``ValueError``) bad ``in_dims``/``out_dims``/``randomness``/
+            ``chunk_size``, or mapped inputs that disagree on the batch size.
+        UnsupportedUnderVmap: an operation with no per-example meaning (``.item()`` on a
+            batched value, a random op with ``randomness='error'``, ...).
+
+    Example:
+        >>> import torch, functrans
+        >>> x = torch.arange(15.).reshape(5, 3)
+        >>> functrans.vmap(torch.dot)(x, x)           # one dot product per row
+        tensor([  5.,  50., 149., 302., 509.])
+        >>> w = torch.ones(3, 2)
+        >>> functrans.vmap(torch.mv, in_dims=(None, 0))(w.T, x).shape   # w shared
+        torch.Size([5, 2])
+        >>> functrans.vmap(lambda r: r * 2, out_dims=1)(x).shape
+        torch.Size([3, 5])
     """
     api = _api_name(func, in_dims, out_dims)
     check_randomness(randomness, api)
