@@ -140,14 +140,36 @@ class _forward_grad_on:
 
 def jvp(func: Callable[..., Any], primals: Any, tangents: Any, *, strict: bool = False,
         has_aux: bool = False) -> Tuple[Any, ...]:
-    """``(func(*primals), J·tangents)`` (plus ``aux`` with ``has_aux``).
+    """Evaluate ``func(*primals)`` and its Jacobian-vector product with ``tangents``
+    (forward mode): ``(func(*primals), J @ tangents)``.
 
-    >>> import torch, functrans
-    >>> functrans.jvp(torch.sin, (torch.zeros(2),), (torch.ones(2),))
-    (tensor([0., 0.]), tensor([1., 1.]))
+    Args:
+        func: a function of tensors (or pytrees of tensors) returning a tensor or a pytree of
+            tensors (``(output, aux)`` with ``has_aux=True``).
+        primals: a tuple (or list) of ``func``'s positional arguments: floating-point or
+            complex tensors, or pytrees of them.  A single argument is still a 1-tuple.
+        tangents: the direction, with the structure of ``primals``; each tangent has its
+            primal's shape and dtype.
+        strict: raise when an output does not depend on the primals (its tangent would be
+            zero) instead of giving it a zero tangent.
+        has_aux: ``func`` returns ``(output, aux)``; ``aux`` is returned as is (detached).
 
-    With ``strict=True`` an output that does not depend on the primals (its tangent would be
-    zero) raises instead of getting a zero tangent, as in the reference library.
+    Returns:
+        ``(output, tangent_out)``, or ``(output, tangent_out, aux)`` with ``has_aux``.
+        ``tangent_out`` has the structure and shapes of ``output``.
+
+    Raises:
+        TransformArgumentError: ``primals``/``tangents`` not tuples, of different structures,
+            shapes or dtypes, a primal that is not floating-point/complex, or (``strict``) an
+            output that does not depend on the primals.
+
+    Example:
+        >>> import torch, functrans
+        >>> functrans.jvp(torch.sin, (torch.zeros(2),), (torch.ones(2),))
+        (tensor([0., 0.]), tensor([1., 1.]))
+        >>> x, t = torch.tensor([1., 2.]), torch.tensor([1., 0.])
+        >>> functrans.jvp(lambda x: x ** 2, (x,), (t,))[1]     # 2 * x * t
+        tensor([2., 0.])
     """
     if dynamo_entry.active():  # inside torch.compile
         traced: Tuple[Any, ...] = dynamo_entry.call(
@@ -342,8 +364,32 @@ def _jvp_double_vjp(func: Callable[..., Any], flat_p: List[torch.Tensor],
 
 
 def linearize(func: Callable[..., Any], *primals: Any) -> Tuple[Any, Callable[..., Any]]:
-    """``(func(*primals), jvp_fn)`` where ``jvp_fn(*tangents)`` is the Jacobian-vector product
-    at ``primals``.  ``func`` runs once; each ``jvp_fn`` call is one backward pass."""
+    """Evaluate ``func(*primals)`` once and return a function for its Jacobian-vector
+    products at ``primals``: ``(output, jvp_fn)``.
+
+    ``jvp_fn(*tangents)`` equals ``jvp(func, primals, tangents)[1]``, but ``func`` is not run
+    again: each call is one backward pass through a graph recorded once, so it pays off when
+    many tangents are pushed at one point.
+
+    Args:
+        func: a function of tensors (or pytrees of tensors) returning a tensor or a pytree of
+            tensors.
+        *primals: the positional arguments ``func`` is evaluated at (floating-point or complex
+            tensors, or pytrees of them).
+
+    Returns:
+        ``(output, jvp_fn)``: ``output`` is ``func(*primals)``; ``jvp_fn`` takes one tangent
+        per primal (same structure, shapes and dtypes) and returns the output tangent, with
+        the structure and shapes of ``output``.
+
+    Example:
+        >>> import torch, functrans
+        >>> out, jvp_fn = functrans.linearize(lambda x: x ** 2, torch.tensor([1., 2.]))
+        >>> jvp_fn(torch.tensor([1., 0.]))
+        tensor([2., 0.])
+        >>> jvp_fn(torch.tensor([0., 1.]))
+        tensor([0., 4.])
+    """
     api = transform_call("linearize", func, "*primals")
     flat_p, spec = tree_flatten(tuple(primals))
     needs_graph, grad_on = outer_needs_graph(flat_p), torch.is_grad_enabled()

@@ -29,13 +29,38 @@ from ._differentiable import (connected_outside, detach_tree, flatten_tensor_out
 
 
 def vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = False) -> Tuple[Any, ...]:
-    """Evaluate ``func(*primals)`` and return ``(output, vjp_fn)`` (``(output, vjp_fn, aux)``
-    with ``has_aux``).  ``vjp_fn(cotangents)`` returns a tuple with one gradient per primal.
+    """Evaluate ``func(*primals)`` and return its output and a function that pulls
+    cotangents back to the primals (a vector-Jacobian product, reverse mode).
 
-    >>> import torch, functrans
-    >>> out, vjp_fn = functrans.vjp(torch.sin, torch.zeros(3))
-    >>> vjp_fn(torch.ones(3))
-    (tensor([1., 1., 1.]),)
+    Args:
+        func: a function of tensors (or pytrees of tensors) returning a tensor or a pytree of
+            tensors (``(output, aux)`` with ``has_aux=True``).
+        *primals: the positional arguments ``func`` is evaluated at; each a floating-point or
+            complex tensor, or a pytree of them.
+        has_aux: ``func`` returns ``(output, aux)``; ``aux`` is returned as is (detached) and
+            not differentiated.
+
+    Returns:
+        ``(output, vjp_fn)``, or ``(output, vjp_fn, aux)`` with ``has_aux``.  ``output`` is
+        ``func(*primals)``.  ``vjp_fn(cotangents)`` takes cotangents with the structure, shapes
+        and dtypes of ``output`` and returns a tuple with one gradient per primal, each with
+        that primal's structure and shapes.  ``vjp_fn`` may be called many times, and under
+        ``vmap`` (``vmap(vjp_fn)(basis)`` gives Jacobian rows).  Its optional ``retain_graph``
+        (default True) and ``create_graph`` (default: grad mode) are as in
+        ``torch.autograd.grad``.
+
+    Raises:
+        TransformArgumentError: a primal that cannot be differentiated, or (from ``vjp_fn``)
+            cotangents of another structure, shape or dtype than the output.
+
+    Example:
+        >>> import torch, functrans
+        >>> out, vjp_fn = functrans.vjp(torch.sin, torch.zeros(3))
+        >>> vjp_fn(torch.ones(3))
+        (tensor([1., 1., 1.]),)
+        >>> out, vjp_fn = functrans.vjp(torch.mul, torch.tensor([1., 2.]), torch.tensor([3., 4.]))
+        >>> vjp_fn(torch.ones(2))             # one gradient per primal
+        (tensor([3., 4.]), tensor([1., 2.]))
     """
     if dynamo_entry.active():  # inside torch.compile
         traced: Tuple[Any, ...] = dynamo_entry.vjp(vjp, func, primals, has_aux)
