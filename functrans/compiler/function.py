@@ -26,7 +26,7 @@ import threading
 import traceback
 import warnings
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union, overload
 
 import torch
 import torch.utils._pytree as pytree
@@ -278,13 +278,62 @@ class CompiledFunction:
                f"backend={self.backend!r})>"
 
 
-def compile(fn: Optional[Callable] = None, *, backend: str = "replay",
-            dynamic: Optional[bool] = None, strict: bool = False, cache_size: int = 8):
+@overload
+def compile(fn: Callable[..., Any], *, backend: str = ..., dynamic: Optional[bool] = ...,
+            strict: bool = ..., cache_size: int = ...) -> CompiledFunction: ...
+
+
+@overload
+def compile(fn: None = ..., *, backend: str = ..., dynamic: Optional[bool] = ...,
+            strict: bool = ..., cache_size: int = ...
+            ) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
+
+
+def compile(fn: Optional[Callable[..., Any]] = None, *, backend: str = "replay",
+            dynamic: Optional[bool] = None, strict: bool = False, cache_size: int = 8
+            ) -> Union[CompiledFunction, Callable[[Callable[..., Any]], CompiledFunction]]:
     """Trace ``fn`` (typically a transform stack: ``compile(vmap(grad(loss)))``) once per
     argument signature into one graph of plain ATen ops, and replay it on later calls.
 
     Same signature and results as ``fn``; see the README's "Compiled transforms".  Usable as
-    ``@compile`` or ``@compile(backend="inductor")``.
+    ``@compile`` or ``@compile(backend="inductor")``.  A call is keyed on the arguments'
+    structure, tensor metadata (shape, strides, dtype, device, requires_grad), non-tensor
+    values and ambient state (grad mode, default dtype, autocast); a new key traces again.
+    Calls inside another functrans transform, and functions that do something a graph cannot
+    bake in (a branch on a tensor's value, ``.item()``), run eagerly (after one
+    ``CompileWarning``); ``cache_info()`` and ``explain`` say why.
+
+    Args:
+        fn: the function to compile; ``None`` returns a decorator with these settings.
+        backend: ``'replay'`` (the traced graph replayed op by op, no compiler needed),
+            ``'inductor'`` or ``'cudagraphs'``.
+        dynamic: ``True``: trace sizes symbolically, so one graph serves every size its shape
+            guards allow; ``False``: one graph per size; ``None``: static, symbolic after a
+            second size is seen.
+        strict: raise ``UntraceableError`` instead of warning and running eagerly.
+        cache_size: how many graphs to keep (least recently used evicted beyond it).
+
+    Returns:
+        A ``CompiledFunction`` (callable like ``fn``, with ``cache_info()`` and
+        ``cache_clear()``), or, with ``fn=None``, a decorator that makes one.
+
+    Raises:
+        TransformArgumentError: an unknown backend, a bad ``dynamic``/``strict``/``cache_size``,
+            or an ``fn`` that is not callable.
+
+    Example:
+        >>> import torch, functrans
+        >>> loss = lambda w, x: (x @ w).pow(2).sum()
+        >>> per_example_grads = functrans.compile(functrans.vmap(functrans.grad(loss),
+        ...                                                      in_dims=(None, 0)))
+        >>> w, xs = torch.ones(3), torch.ones(4, 2, 3)
+        >>> per_example_grads(w, xs).shape          # traced on this first call
+        torch.Size([4, 3])
+        >>> torch.allclose(per_example_grads(w, xs), torch.full((4, 3), 12.))   # replayed
+        True
+        >>> info = per_example_grads.cache_info()
+        >>> info.misses, info.hits, len(info.entries)
+        (1, 1, 1)
     """
     api = transform_call("compile", fn, backend=backend, dynamic=dynamic, strict=strict,
                          cache_size=cache_size)
