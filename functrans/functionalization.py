@@ -435,7 +435,7 @@ def _write_back(original: torch.Tensor, wrapped: torch.Tensor, pos, api: str) ->
     original.copy_(new)
 
 
-def functionalize(func: Callable, *, remove: str = "mutations") -> Callable:
+def functionalize(func: Callable[..., Any], *, remove: str = "mutations") -> Callable[..., Any]:
     """Return a function with the semantics of ``func`` whose in-place ops (and, with
     ``remove='mutations_and_views'``, view ops) run as out-of-place ops.
 
