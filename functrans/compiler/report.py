@@ -8,23 +8,24 @@
   graph is filed under (argument structure, tensor metadata, non-tensor values, ambient state)
   and the captured state it re-reads on every call; ``print`` it.
 
-Imports: compiler.function, compiler.guards.
+Imports: compiler.cache (CacheInfo, a type), compiler.function, compiler.guards.
 """
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from .cache import CacheInfo
 from .function import CompiledFunction, all_compiled, compile
 from .guards import AMBIENT_NAMES, ambient, call_key, is_tensor_part
 
 
 @dataclass
 class CompileReport:
-    functions: List[tuple]    # (name, CacheInfo)
+    functions: List[Tuple[str, CacheInfo]]    # (name, CacheInfo)
 
     def __str__(self) -> str:
         if not self.functions:
@@ -82,7 +83,7 @@ class Explanation:
         return "\n".join(lines)
 
 
-def _describe_key(key) -> List[str]:
+def _describe_key(key: Any) -> List[str]:
     sig, amb = key
     out = []
     tensor_i = 0
