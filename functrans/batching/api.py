@@ -14,7 +14,7 @@ compiler.dynamo_entry (the route inside torch.compile).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -127,9 +127,8 @@ def _api_name(func: Any, in_dims: Any, out_dims: Any) -> str:
 
 def _flat_in_dims(in_dims: Any, args: Tuple[Any, ...], api: str) -> List[Any]:
     if isinstance(in_dims, (int, type(None))):
-        flat_all = broadcast_prefix(in_dims, args, _is_dim_leaf)
-        assert flat_all is not None  # an int or None is a prefix of any tree
-        return flat_all
+        # (an int or None is a prefix of any tree: never None here)
+        return cast(List[Any], broadcast_prefix(in_dims, args, _is_dim_leaf))
     if not isinstance(in_dims, (tuple, list)):
         raise TransformArgumentError(
             f"{api}: in_dims must be an int, None, or a tuple with one entry per positional "
@@ -369,7 +368,7 @@ def _as_view_of_input(v: torch.Tensor, inputs: Sequence[Any]) -> torch.Tensor:
     return v
 
 
-class results_with_dims(List[Any]):
+class results_with_dims(list[Any]):  # (list[Any] subclasses plain list at run time)
     """The flat outputs of one batched call, with the normalised out_dims (for chunking)."""
 
     def __init__(self, results: List[Any], dims: List[Any]) -> None:
