@@ -18,6 +18,7 @@ import contextlib
 import sys
 import threading
 import types
+from typing import ContextManager, Iterator
 
 _state = threading.local()
 
@@ -35,7 +36,7 @@ class _Switch:
         setattr(_state, self.name, bool(value))
 
     @contextlib.contextmanager
-    def within(self, enabled: bool):
+    def within(self, enabled: bool) -> Iterator[None]:
         old = self.get()
         self.set(enabled)
         try:
@@ -50,13 +51,46 @@ is_strict, set_strict = _strict.get, _strict.set
 warns_on_fallback, set_warn_on_fallback = _warn.get, _warn.set
 
 
-def strict_fallback(enabled: bool = True):
-    """Within the block, hitting the loop fallback raises ``UnsupportedUnderVmap``."""
+def strict_fallback(enabled: bool = True) -> ContextManager[None]:
+    """Within the block (in this thread), an op with no batching rule raises
+    ``UnsupportedUnderVmap`` instead of running on the per-example loop fallback.
+
+    Args:
+        enabled: ``True`` raises; ``False`` restores the fallback for the block.
+
+    Returns:
+        A context manager; the previous setting is restored on exit.
+
+    Example:
+        >>> import torch, functrans
+        >>> f = functrans.vmap(lambda r: torch.ops.aten._add_relu(r, r))   # no batching rule
+        >>> with functrans.config.strict_fallback():
+        ...     f(torch.ones(2, 3))
+        Traceback (most recent call last):
+        ...
+        functrans.errors.UnsupportedUnderVmap: vmap: there is no batching rule for ...
+    """
     return _strict.within(enabled)
 
 
-def fallback_warnings(enabled: bool = True):
-    """Within the block (in this thread), the loop fallback warns (``enabled``) or not."""
+def fallback_warnings(enabled: bool = True) -> ContextManager[None]:
+    """Within the block (in this thread), the loop fallback's once-per-op
+    ``PerformanceWarning`` is emitted (``enabled``) or not.  The thread's setting outside
+    blocks is the attribute ``functrans.config.warn_on_fallback`` (default True).
+
+    Args:
+        enabled: whether the fallback warns inside the block.
+
+    Returns:
+        A context manager; the previous setting is restored on exit.
+
+    Example:
+        >>> import torch, functrans
+        >>> with functrans.config.fallback_warnings(False):
+        ...     y = functrans.vmap(lambda r: torch.ops.aten._add_relu(r, r))(torch.ones(2, 3))
+        >>> y.shape, functrans.config.warn_on_fallback
+        (torch.Size([2, 3]), True)
+    """
     return _warn.within(enabled)
 
 

@@ -34,6 +34,27 @@ def rearrange(tensor: torch.Tensor, pattern: str, **axes_lengths: Any) -> torch.
 
     Under ``vmap`` the pattern describes ONE example (the logical shape): the batch dim is
     never named.  Needs the optional ``einops`` package (``pip install functrans[einops]``).
+
+    Args:
+        tensor: the tensor to rearrange (a batched one under ``vmap``).
+        pattern: an einops pattern ``'<input axes> -> <output axes>'``; the semantics and error
+            messages are einops's own.
+        **axes_lengths: sizes of axes the pattern cannot infer (``b1=2``).
+
+    Returns:
+        The rearranged tensor (a view where einops's ops give one).
+
+    Raises:
+        MissingDependencyError: (an ``ImportError``) einops is not installed.
+        TransformTypeError: ``tensor`` is not a tensor or ``pattern`` not a string.
+
+    Example:
+        >>> import torch, functrans
+        >>> functrans.rearrange(torch.ones(6, 4), "(b1 b2) c -> b1 b2 c", b1=2).shape
+        torch.Size([2, 3, 4])
+        >>> per_example = functrans.vmap(lambda t: functrans.rearrange(t, "h w -> (h w)"))
+        >>> per_example(torch.ones(5, 2, 3)).shape      # the pattern sees one (2, 3) example
+        torch.Size([5, 6])
     """
     try:
         import einops

@@ -435,9 +435,14 @@ def _write_back(original: torch.Tensor, wrapped: torch.Tensor, pos, api: str) ->
     original.copy_(new)
 
 
-def functionalize(func: Callable, *, remove: str = "mutations") -> Callable:
+def functionalize(func: Callable[..., Any], *, remove: str = "mutations") -> Callable[..., Any]:
     """Return a function with the semantics of ``func`` whose in-place ops (and, with
     ``remove='mutations_and_views'``, view ops) run as out-of-place ops.
+
+    Mutations of the inputs are written back to them after ``func`` returns (one ``copy_`` per
+    mutated input), so callers see the same effect as running ``func`` itself.  The returned
+    function composes with every functrans transform, in both orders, and with ``make_fx``
+    (a traced graph then has no in-place ops).
 
     Args:
         func: a function of tensors (pytrees of tensors in and out).
@@ -445,9 +450,30 @@ def functionalize(func: Callable, *, remove: str = "mutations") -> Callable:
             out-of-place counterpart; ``'mutations_and_views'``: in addition every view op
             becomes its ``*_copy`` counterpart (no aliasing left in a traced graph).
 
-    Mutations of the inputs are written back to them after ``func`` returns (one ``copy_`` per
-    mutated input), so callers see the same effect as running ``func`` itself.  The returned
-    function composes with every functrans transform, in both orders, and with ``make_fx``.
+    Returns:
+        A function of the same arguments, returning what ``func`` returns (same shapes).
+
+    Raises:
+        TransformArgumentError: an unknown ``remove``, or a ``func`` that is not callable.
+
+    Example:
+        >>> import torch, functrans
+        >>> def f(x):
+        ...     y = x.clone()
+        ...     y.add_(1)                 # in place on an intermediate
+        ...     return y * 2
+        >>> functrans.functionalize(f)(torch.ones(3))
+        tensor([4., 4., 4.])
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> gm = make_fx(functrans.functionalize(f))(torch.ones(3))
+        >>> [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        ['aten.clone.default', 'aten.add.Tensor', 'aten.mul.Tensor']
+        >>> def g(x):
+        ...     x.mul_(2)                 # in place on the input: written back
+        ...     return x.sum()
+        >>> x = torch.ones(3)
+        >>> functrans.functionalize(g)(x), x
+        (tensor(6.), tensor([2., 2., 2.]))
     """
     api = transform_call("functionalize", func, remove=remove)
     if remove == "mutations":

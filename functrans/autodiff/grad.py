@@ -11,7 +11,7 @@ torch.compile).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
@@ -24,11 +24,40 @@ from ._differentiable import (Argnums, connected_outside, detach_tree, gradients
                               replace_argnums, select_argnums, split_aux)
 
 
-def grad_and_value(func: Callable, argnums: Argnums = 0, has_aux: bool = False) -> Callable:
-    """Like ``grad``, but the function returns ``(gradient, value)``
-    (``((gradient, (value, aux))`` with ``has_aux``)."""
+def grad_and_value(func: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False
+                   ) -> Callable[..., Any]:
+    """Like ``grad``, but the transformed function returns ``(gradient, value)``: one forward
+    and one backward pass give both the loss and its gradient.
+
+    Args:
+        func: returns a scalar (0-d) tensor, or ``(scalar, aux)`` with ``has_aux=True``.
+        argnums: which positional argument(s) to differentiate: an int or a tuple of ints
+            (negative counts from the end).  An argument may be a pytree of tensors.
+        has_aux: ``func`` returns ``(scalar, aux)``; ``aux`` (any pytree) is passed through,
+            detached, and not differentiated.
+
+    Returns:
+        A function of the same arguments as ``func`` returning ``(gradient, value)``, or
+        ``(gradient, (value, aux))`` with ``has_aux``.  ``gradient`` is as ``grad``'s (the
+        structure and shapes of ``args[argnums]``; a tuple for a tuple ``argnums``); ``value``
+        is ``func``'s 0-d output.
+
+    Raises:
+        TransformArgumentError: ``func`` does not return a 0-d tensor, ``argnums`` is out of
+            range, or a chosen argument is not a floating-point/complex tensor.
+
+    Example:
+        >>> import torch, functrans
+        >>> g, loss = functrans.grad_and_value(lambda x: (x ** 2).sum())(torch.tensor([1., 2.]))
+        >>> g, loss
+        (tensor([2., 4.]), tensor(5.))
+        >>> f = lambda x: ((x ** 2).sum(), x.mean())
+        >>> g, (loss, aux) = functrans.grad_and_value(f, has_aux=True)(torch.tensor([1., 2.]))
+        >>> aux
+        tensor(1.5000)
+    """
     @functools.wraps(func)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         if dynamo_entry.active():  # inside torch.compile
             return dynamo_entry.call_transform(grad_and_value, (func, argnums, has_aux), {},
                                                args, kwargs)
@@ -38,21 +67,48 @@ def grad_and_value(func: Callable, argnums: Argnums = 0, has_aux: bool = False) 
     return wrapper
 
 
-def grad(func: Callable, argnums: Argnums = 0, has_aux: bool = False) -> Callable:
+def grad(func: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False
+         ) -> Callable[..., Any]:
     """The gradient of a function returning a scalar tensor, w.r.t. ``args[argnums]``.
+
+    ``grad(f)(*args)`` is ``torch.autograd.grad(f(*args), args[argnums])`` without the
+    bookkeeping: it composes with ``vmap`` (per-example gradients) and with itself (higher
+    derivatives).  An outer ``torch.no_grad()`` does not stop it.
 
     Args:
         func: returns a scalar (0-d) tensor, or ``(scalar, aux)`` with ``has_aux=True``.
-        argnums: which positional argument(s) to differentiate: an int or a tuple of ints.
-            An argument may be a pytree of tensors; its gradient has the same structure.
-        has_aux: whether ``func`` returns an auxiliary value that is passed through.
+        argnums: which positional argument(s) to differentiate: an int or a tuple of ints
+            (negative counts from the end).  An argument may be a pytree of tensors (a dict of
+            parameters); its gradient has the same structure.
+        has_aux: ``func`` returns ``(scalar, aux)``; ``aux`` (any pytree) is passed through,
+            detached, and not differentiated.
 
-    >>> import torch, functrans
-    >>> functrans.grad(lambda x: (x ** 2).sum())(torch.tensor([1., 2.]))
-    tensor([2., 4.])
+    Returns:
+        A function of the same arguments as ``func``.  It returns the gradient: for an int
+        ``argnums``, a value with the structure and shapes of ``args[argnums]``; for a tuple
+        ``argnums``, a tuple of those.  With ``has_aux``: ``(gradient, aux)``.
+
+    Raises:
+        TransformArgumentError: ``func`` does not return a 0-d tensor, ``argnums`` is out of
+            range, or a chosen argument is not a floating-point/complex tensor.
+
+    Example:
+        >>> import torch, functrans
+        >>> functrans.grad(lambda x: (x ** 2).sum())(torch.tensor([1., 2.]))
+        tensor([2., 4.])
+        >>> f = lambda w, x: (w * x).sum()
+        >>> functrans.grad(f, argnums=(0, 1))(torch.tensor([1., 2.]), torch.tensor([3., 4.]))
+        (tensor([3., 4.]), tensor([1., 2.]))
+        >>> per_example = functrans.vmap(functrans.grad(f), in_dims=(None, 0))
+        >>> per_example(torch.ones(2), torch.arange(6.).reshape(3, 2))
+        tensor([[0., 1.],
+                [2., 3.],
+                [4., 5.]])
+        >>> functrans.grad(functrans.grad(lambda x: x ** 3))(torch.tensor(2.))
+        tensor(12.)
     """
     @functools.wraps(func)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         if dynamo_entry.active():  # inside torch.compile
             return dynamo_entry.call_transform(grad, (func, argnums, has_aux), {}, args, kwargs)
         g, _, aux = grad_and_value_impl(func, argnums, has_aux, args, kwargs, "grad")
@@ -60,7 +116,9 @@ def grad(func: Callable, argnums: Argnums = 0, has_aux: bool = False) -> Callabl
     return wrapper
 
 
-def grad_and_value_impl(func, argnums, has_aux, args, kwargs, api):
+def grad_and_value_impl(func: Callable[..., Any], argnums: Argnums, has_aux: bool,
+                        args: Tuple[Any, ...], kwargs: Dict[str, Any], api: str
+                        ) -> Tuple[Any, torch.Tensor, Any]:
     """(gradient, value, aux) of ``func`` at ``args``; ``api`` names the caller in errors."""
     api_call = transform_call(api, func, argnums=argnums)
     if not args:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Callable
+from typing import Any, Callable, List, Literal, Optional, Sequence, Tuple
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -48,7 +48,8 @@ from ._differentiable import (connected_outside, depends_on, detach_tree,
                               outer_needs_graph, reaches_outside, split_aux)
 
 
-def _check_primals_tangents(primals, tangents, api: str, via_argnums: bool = False):
+def _check_primals_tangents(primals: Any, tangents: Any, api: str, via_argnums: bool = False
+                            ) -> Tuple[List[Any], List[Any], Any]:
     """``api`` is the echoed call; ``via_argnums``: the primals were chosen by argnums (jacfwd),
     so the fix for a non-differentiable one is to leave it out of argnums."""
     if not isinstance(primals, (tuple, list)):
@@ -101,7 +102,8 @@ def _under_vmap() -> bool:
     return any(level.kind == "vmap" for level in _levels.stack())
 
 
-def _cast_tangents(flat_p, flat_t):
+def _cast_tangents(flat_p: Sequence[torch.Tensor], flat_t: Sequence[torch.Tensor]
+                   ) -> Tuple[List[torch.Tensor], Optional[torch.dtype]]:
     """The tangents in their primals' dtypes, and the dtype the output tangents are promoted
     with (None when every tangent already had its primal's dtype)."""
     promote = None
@@ -114,7 +116,8 @@ def _cast_tangents(flat_p, flat_t):
     return cast, promote
 
 
-def _promote_tangents(tangents_out, promote):
+def _promote_tangents(tangents_out: List[torch.Tensor], promote: Optional[torch.dtype]
+                      ) -> List[torch.Tensor]:
     if promote is None:
         return tangents_out
     return [t.to(torch.promote_types(t.dtype, promote))
@@ -126,35 +129,59 @@ class _forward_grad_on:
 
     __slots__ = ("prev",)
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         self.prev = torch._C._is_fwd_grad_enabled()
         torch._C._set_fwd_grad_enabled(True)
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> Literal[False]:
         torch._C._set_fwd_grad_enabled(self.prev)
         return False
 
 
-def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
-        has_aux: bool = False):
-    """``(func(*primals), J·tangents)`` (plus ``aux`` with ``has_aux``).
+def jvp(func: Callable[..., Any], primals: Any, tangents: Any, *, strict: bool = False,
+        has_aux: bool = False) -> Tuple[Any, ...]:
+    """Evaluate ``func(*primals)`` and its Jacobian-vector product with ``tangents``
+    (forward mode): ``(func(*primals), J @ tangents)``.
 
-    >>> import torch, functrans
-    >>> functrans.jvp(torch.sin, (torch.zeros(2),), (torch.ones(2),))
-    (tensor([0., 0.]), tensor([1., 1.]))
+    Args:
+        func: a function of tensors (or pytrees of tensors) returning a tensor or a pytree of
+            tensors (``(output, aux)`` with ``has_aux=True``).
+        primals: a tuple (or list) of ``func``'s positional arguments: floating-point or
+            complex tensors, or pytrees of them.  A single argument is still a 1-tuple.
+        tangents: the direction, with the structure of ``primals``; each tangent has its
+            primal's shape and dtype.
+        strict: raise when an output does not depend on the primals (its tangent would be
+            zero) instead of giving it a zero tangent.
+        has_aux: ``func`` returns ``(output, aux)``; ``aux`` is returned as is (detached).
 
-    With ``strict=True`` an output that does not depend on the primals (its tangent would be
-    zero) raises instead of getting a zero tangent, as in the reference library.
+    Returns:
+        ``(output, tangent_out)``, or ``(output, tangent_out, aux)`` with ``has_aux``.
+        ``tangent_out`` has the structure and shapes of ``output``.
+
+    Raises:
+        TransformArgumentError: ``primals``/``tangents`` not tuples, of different structures,
+            shapes or dtypes, a primal that is not floating-point/complex, or (``strict``) an
+            output that does not depend on the primals.
+
+    Example:
+        >>> import torch, functrans
+        >>> functrans.jvp(torch.sin, (torch.zeros(2),), (torch.ones(2),))
+        (tensor([0., 0.]), tensor([1., 1.]))
+        >>> x, t = torch.tensor([1., 2.]), torch.tensor([1., 0.])
+        >>> functrans.jvp(lambda x: x ** 2, (x,), (t,))[1]     # 2 * x * t
+        tensor([2., 0.])
     """
     if dynamo_entry.active():  # inside torch.compile
-        return dynamo_entry.call(functools.partial(jvp, func, strict=strict, has_aux=has_aux),
-                                 (primals, tangents), {})
+        traced: Tuple[Any, ...] = dynamo_entry.call(
+            functools.partial(jvp, func, strict=strict, has_aux=has_aux), (primals, tangents), {})
+        return traced
     api = transform_call("jvp", func, "primals", "tangents",
                          **({"strict": True} if strict else {}))
     return jvp_impl(func, primals, tangents, has_aux, api, strict=strict)
 
 
-def jvp_impl(func, primals, tangents, has_aux, api, strict=False, via_argnums=False):
+def jvp_impl(func: Callable[..., Any], primals: Any, tangents: Any, has_aux: bool, api: str,
+             strict: bool = False, via_argnums: bool = False) -> Tuple[Any, ...]:
     """``api``: the echoed call errors open with (``transform_call``)."""
     flat_p, flat_t, spec = _check_primals_tangents(primals, tangents, api, via_argnums)
     flat_t, promote = _cast_tangents(flat_p, flat_t)
@@ -166,7 +193,7 @@ def jvp_impl(func, primals, tangents, has_aux, api, strict=False, via_argnums=Fa
         tuple(result[2:])
 
 
-def _strict_error(api, out, i):
+def _strict_error(api: str, out: Any, i: int) -> TransformArgumentError:
     path = leaf_paths(out, "output")[i] if not isinstance(out, torch.Tensor) else "the output"
     return TransformArgumentError(
         f"{api}: {path} of the function does not depend on the primals, so its tangent would "
@@ -174,7 +201,8 @@ def _strict_error(api, out, i):
         "tangent for it.")
 
 
-def _jvp_routes(func, flat_p, flat_t, spec, has_aux, api, strict):
+def _jvp_routes(func: Callable[..., Any], flat_p: List[torch.Tensor], flat_t: List[torch.Tensor],
+                spec: Any, has_aux: bool, api: str, strict: bool) -> Tuple[Any, ...]:
     # One dual level at a time in the whole process (see _levels.forward_ad_state): a jvp
     # inside another (this thread's or another thread's) takes the exact double-vjp route.
     # So does a jvp whose results something outside differentiates (grad(jvp(f))): reverse
@@ -229,7 +257,9 @@ def _no_forward_formula(e: BaseException) -> bool:
         "not support" in msg or "not been implemented" in msg or "must implement" in msg)
 
 
-def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api, strict=False):
+def _jvp_forward_ad(func: Callable[..., Any], flat_p: List[torch.Tensor],
+                    flat_t: List[torch.Tensor], spec: Any, has_aux: bool, api: str,
+                    strict: bool = False) -> Optional[Tuple[Any, ...]]:
     # jvp_impl takes this route only when nothing outside differentiates the results, so
     # they are detached: a graph made inside f (the jacrev in hessian = jacfwd(jacrev(f)))
     # would otherwise stay alive on every result.  The one thing not known before running f
@@ -264,7 +294,10 @@ def _jvp_forward_ad(func, flat_p, flat_t, spec, has_aux, api, strict=False):
     return result + (aux,) if has_aux else result
 
 
-def _double_vjp_setup(func, flat_p, spec, has_aux, api, needs_graph, grad_on):
+def _double_vjp_setup(func: Callable[..., Any], flat_p: List[torch.Tensor], spec: Any,
+                      has_aux: bool, api: str, needs_graph: bool, grad_on: bool
+                      ) -> Tuple[Any, Any, List[torch.Tensor], Any, List[torch.Tensor],
+                                 Sequence[Optional[torch.Tensor]], List[torch.Tensor], bool]:
     """Run ``func`` once with a graph; return what J^T u and its derivative need.
     ``needs_graph`` and ``grad_on`` are decided by the caller BEFORE it pushes its own grad
     level (which ``outer_needs_graph`` would otherwise count as an outer transform); the
@@ -284,6 +317,7 @@ def _double_vjp_setup(func, flat_p, spec, has_aux, api, needs_graph, grad_on):
     # because some backward formulas are smooth in their incoming gradient only away from 0
     # (logcumsumexp's takes log|grad|: at 0 its derivative is 0 * inf = NaN).
     dummies = [internal_leaf(torch.ones_like(o).requires_grad_()) for o in live]
+    vjps: Sequence[Optional[torch.Tensor]]
     if live:
         vjps = torch.autograd.grad(live, flat_in, dummies, create_graph=True, allow_unused=True)
     else:
@@ -291,22 +325,27 @@ def _double_vjp_setup(func, flat_p, spec, has_aux, api, needs_graph, grad_on):
     return out, aux, flat_out, out_spec, flat_in, vjps, dummies, keep_graph
 
 
-def _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph):
+def _pushforward(flat_out: List[torch.Tensor], flat_in: List[torch.Tensor],
+                 vjps: Sequence[Optional[torch.Tensor]], dummies: List[torch.Tensor],
+                 flat_t: List[torch.Tensor], keep_graph: bool) -> List[torch.Tensor]:
     pairs = [(v, t) for v, t in zip(vjps, flat_t) if v is not None and v.requires_grad]
+    grads_list: Sequence[Optional[torch.Tensor]]
     if pairs and dummies:
-        grads = torch.autograd.grad([v for v, _ in pairs], dummies, [t for _, t in pairs],
-                                    retain_graph=True, create_graph=keep_graph,
-                                    allow_unused=True)
+        grads_list = torch.autograd.grad([v for v, _ in pairs], dummies,
+                                         [t for _, t in pairs], retain_graph=True,
+                                         create_graph=keep_graph, allow_unused=True)
     else:
-        grads = [None] * len(dummies)
+        grads_list = [None] * len(dummies)
     # unwrap_functional: a graph recorded inside functionalize gives functional wrappers here
-    grads = iter(grads)
+    grads = iter(grads_list)
     return [torch.zeros_like(o) if not o.requires_grad else
             (lambda g: torch.zeros_like(o) if g is None else unwrap_functional(g))(next(grads))
             for o in flat_out]
 
 
-def _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api, strict=False):
+def _jvp_double_vjp(func: Callable[..., Any], flat_p: List[torch.Tensor],
+                    flat_t: List[torch.Tensor], spec: Any, has_aux: bool, api: str,
+                    strict: bool = False) -> Tuple[Any, ...]:
     needs_graph = outer_needs_graph(list(flat_p) + list(flat_t))
     grad_on = torch.is_grad_enabled()
     with autodiff_level("grad", order=2), torch.enable_grad():
@@ -324,9 +363,33 @@ def _jvp_double_vjp(func, flat_p, flat_t, spec, has_aux, api, strict=False):
     return result
 
 
-def linearize(func: Callable, *primals: Any):
-    """``(func(*primals), jvp_fn)`` where ``jvp_fn(*tangents)`` is the Jacobian-vector product
-    at ``primals``.  ``func`` runs once; each ``jvp_fn`` call is one backward pass."""
+def linearize(func: Callable[..., Any], *primals: Any) -> Tuple[Any, Callable[..., Any]]:
+    """Evaluate ``func(*primals)`` once and return a function for its Jacobian-vector
+    products at ``primals``: ``(output, jvp_fn)``.
+
+    ``jvp_fn(*tangents)`` equals ``jvp(func, primals, tangents)[1]``, but ``func`` is not run
+    again: each call is one backward pass through a graph recorded once, so it pays off when
+    many tangents are pushed at one point.
+
+    Args:
+        func: a function of tensors (or pytrees of tensors) returning a tensor or a pytree of
+            tensors.
+        *primals: the positional arguments ``func`` is evaluated at (floating-point or complex
+            tensors, or pytrees of them).
+
+    Returns:
+        ``(output, jvp_fn)``: ``output`` is ``func(*primals)``; ``jvp_fn`` takes one tangent
+        per primal (same structure, shapes and dtypes) and returns the output tangent, with
+        the structure and shapes of ``output``.
+
+    Example:
+        >>> import torch, functrans
+        >>> out, jvp_fn = functrans.linearize(lambda x: x ** 2, torch.tensor([1., 2.]))
+        >>> jvp_fn(torch.tensor([1., 0.]))
+        tensor([2., 0.])
+        >>> jvp_fn(torch.tensor([0., 1.]))
+        tensor([0., 4.])
+    """
     api = transform_call("linearize", func, "*primals")
     flat_p, spec = tree_flatten(tuple(primals))
     needs_graph, grad_on = outer_needs_graph(flat_p), torch.is_grad_enabled()
@@ -334,7 +397,7 @@ def linearize(func: Callable, *primals: Any):
         out, _, flat_out, out_spec, flat_in, vjps, dummies, keep_graph = \
             _double_vjp_setup(func, flat_p, spec, False, api, needs_graph, grad_on)
 
-    def jvp_fn(*tangents):
+    def jvp_fn(*tangents: Any) -> Any:
         _, flat_t, _ = _check_primals_tangents(primals, tangents, f"{api}'s jvp_fn")
         flat_t, promote = _cast_tangents(flat_p, flat_t)
         # differentiable when the primal side is, or a tangent is part of a graph

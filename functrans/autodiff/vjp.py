@@ -14,7 +14,7 @@ torch.compile), batching.compile_boundary (vjp_fn's eager retry).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -28,21 +28,48 @@ from ._differentiable import (connected_outside, detach_tree, flatten_tensor_out
                               reaches_outside, split_aux)
 
 
-def vjp(func: Callable, *primals: Any, has_aux: bool = False):
-    """Evaluate ``func(*primals)`` and return ``(output, vjp_fn)`` (``(output, vjp_fn, aux)``
-    with ``has_aux``).  ``vjp_fn(cotangents)`` returns a tuple with one gradient per primal.
+def vjp(func: Callable[..., Any], *primals: Any, has_aux: bool = False) -> Tuple[Any, ...]:
+    """Evaluate ``func(*primals)`` and return its output and a function that pulls
+    cotangents back to the primals (a vector-Jacobian product, reverse mode).
 
-    >>> import torch, functrans
-    >>> out, vjp_fn = functrans.vjp(torch.sin, torch.zeros(3))
-    >>> vjp_fn(torch.ones(3))
-    (tensor([1., 1., 1.]),)
+    Args:
+        func: a function of tensors (or pytrees of tensors) returning a tensor or a pytree of
+            tensors (``(output, aux)`` with ``has_aux=True``).
+        *primals: the positional arguments ``func`` is evaluated at; each a floating-point or
+            complex tensor, or a pytree of them.
+        has_aux: ``func`` returns ``(output, aux)``; ``aux`` is returned as is (detached) and
+            not differentiated.
+
+    Returns:
+        ``(output, vjp_fn)``, or ``(output, vjp_fn, aux)`` with ``has_aux``.  ``output`` is
+        ``func(*primals)``.  ``vjp_fn(cotangents)`` takes cotangents with the structure, shapes
+        and dtypes of ``output`` and returns a tuple with one gradient per primal, each with
+        that primal's structure and shapes.  ``vjp_fn`` may be called many times, and under
+        ``vmap`` (``vmap(vjp_fn)(basis)`` gives Jacobian rows).  Its optional ``retain_graph``
+        (default True) and ``create_graph`` (default: grad mode) are as in
+        ``torch.autograd.grad``.
+
+    Raises:
+        TransformArgumentError: a primal that cannot be differentiated, or (from ``vjp_fn``)
+            cotangents of another structure, shape or dtype than the output.
+
+    Example:
+        >>> import torch, functrans
+        >>> out, vjp_fn = functrans.vjp(torch.sin, torch.zeros(3))
+        >>> vjp_fn(torch.ones(3))
+        (tensor([1., 1., 1.]),)
+        >>> out, vjp_fn = functrans.vjp(torch.mul, torch.tensor([1., 2.]), torch.tensor([3., 4.]))
+        >>> vjp_fn(torch.ones(2))             # one gradient per primal
+        (tensor([3., 4.]), tensor([1., 2.]))
     """
     if dynamo_entry.active():  # inside torch.compile
-        return dynamo_entry.vjp(vjp, func, primals, has_aux)
+        traced: Tuple[Any, ...] = dynamo_entry.vjp(vjp, func, primals, has_aux)
+        return traced
     return vjp_impl(func, primals, has_aux, transform_call("vjp", func, "*primals"))
 
 
-def vjp_impl(func: Callable, primals: tuple, has_aux: bool, api: str):
+def vjp_impl(func: Callable[..., Any], primals: Tuple[Any, ...], has_aux: bool, api: str
+             ) -> Tuple[Any, ...]:
     """``api``: the echoed call errors open with (``transform_call``)."""
     keep_graph = outer_needs_graph(tree_flatten(primals)[0])
     grad_on = torch.is_grad_enabled()
@@ -70,12 +97,14 @@ def vjp_impl(func: Callable, primals: tuple, has_aux: bool, api: str):
     return result_out, vjp_fn
 
 
-def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec, flat_inputs, primals, api: str,
-                 connected: bool, eager_vjp_fn: Callable):
+def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec: Any, flat_inputs: List[torch.Tensor],
+                 primals: Tuple[Any, ...], api: str, connected: bool,
+                 eager_vjp_fn: Callable[[], Callable[..., Tuple[Any, ...]]]
+                 ) -> Callable[..., Tuple[Any, ...]]:
     _, primals_spec = tree_flatten(primals)
 
     def vjp_fn(cotangents: Any, retain_graph: Optional[bool] = True,
-               create_graph: Optional[bool] = None):
+               create_graph: Optional[bool] = None) -> Tuple[Any, ...]:
         """The gradients w.r.t. the primals for ``cotangents`` (one per output).
         ``retain_graph`` (default True) keeps the graph for another call (``None``: as
         ``create_graph``); ``create_graph`` (default: grad mode) makes the result differentiable
@@ -130,7 +159,9 @@ def _make_vjp_fn(flat_out: List[torch.Tensor], out_spec, flat_inputs, primals, a
             if not is_batched_tangent_refusal(e):
                 raise
             # A compiled backward refused batched cotangents: the forward again, eager.
-            return retry_eagerly(eager_vjp_fn, e, api)(cotangents, retain_graph, create_graph)
+            retried: Tuple[Any, ...] = retry_eagerly(eager_vjp_fn, e, api)(
+                cotangents, retain_graph, create_graph)
+            return retried
         return tuple(tree_unflatten(grads, primals_spec))
 
     return vjp_fn

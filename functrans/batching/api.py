@@ -14,7 +14,7 @@ compiler.dynamo_entry (the route inside torch.compile).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -30,35 +30,57 @@ from .mode import VmapLevelMode
 from ..compiler import dynamo_entry
 
 _RANDOMNESS = ("error", "different", "same")
+# BatchedTensor as an isinstance target that does not narrow for the type checker: its
+# ``level`` (set in ``__new__``) is not declared on the class
+_BatchedTensor: Any = BatchedTensor
 
 
-def vmap(func: Callable, in_dims: Any = 0, out_dims: Any = 0, randomness: str = "error", *,
-         chunk_size: Optional[int] = None) -> Callable:
+def vmap(func: Callable[..., Any], in_dims: Any = 0, out_dims: Any = 0, randomness: str = "error",
+         *, chunk_size: Optional[int] = None) -> Callable[..., Any]:
     """Vectorize ``func`` over a batch dimension of its inputs.
 
     Write ``func`` for ONE example; ``vmap(func)`` runs it on a batch, as if by a loop over the
-    batch followed by ``torch.stack``, but with batched kernels.
+    batch followed by ``torch.stack``, but with batched kernels.  Inside ``func`` every mapped
+    tensor shows the shape of one example (the batch dim is hidden).
 
     Args:
-        func: a function of tensors (or pytrees of tensors) returning tensors (or pytrees).
+        func: a function of tensors (or pytrees of tensors: tuples, lists, dicts) returning
+            tensors (or pytrees of them).  Non-tensor arguments are passed through.
         in_dims: per positional argument, the dim to map over: an int (negative counts from the
             end), ``None`` for an argument shared by every example, or a pytree prefix of the
-            arguments. Keyword arguments are never mapped.
+            arguments (a tuple with one entry per positional argument, each an int, ``None`` or
+            a container matching that argument).  Keyword arguments are never mapped.  Every
+            mapped dim must have the same size ``B``.
         out_dims: where the batch dim goes in each output: an int, ``None`` (for outputs that
             do not depend on the batch), or a pytree prefix of the outputs (a 1-tuple ``(k,)``
             is accepted for a function that returns one tensor).
         randomness: ``'error'`` (random ops raise), ``'different'`` (each example draws its own
             values) or ``'same'`` (one draw shared by the batch).
         chunk_size: run the batch in chunks of this many examples (bounds memory); the result
-            is the same as without chunking.
+            is the same as without chunking.  ``None``: the whole batch at once.
 
     Returns:
-        The batched function.
+        The batched function.  Called with inputs whose mapped dims have size ``B``, it returns
+        ``func``'s outputs (same pytree structure), each tensor with a dim of size ``B``
+        inserted at its ``out_dim``: an output of per-example shape ``S`` has shape ``(B, *S)``
+        with ``out_dims=0``.
 
-    >>> import torch, functrans
-    >>> x = torch.randn(5, 3)
-    >>> functrans.vmap(torch.dot)(x, x).shape
-    torch.Size([5])
+    Raises:
+        TransformArgumentError: (a ``ValueError``) bad ``in_dims``/``out_dims``/``randomness``/
+            ``chunk_size``, or mapped inputs that disagree on the batch size.
+        UnsupportedUnderVmap: an operation with no per-example meaning (``.item()`` on a
+            batched value, a random op with ``randomness='error'``, ...).
+
+    Example:
+        >>> import torch, functrans
+        >>> x = torch.arange(15.).reshape(5, 3)
+        >>> functrans.vmap(torch.dot)(x, x)           # one dot product per row
+        tensor([  5.,  50., 149., 302., 509.])
+        >>> w = torch.ones(3, 2)
+        >>> functrans.vmap(torch.mv, in_dims=(None, 0))(w.T, x).shape   # w shared
+        torch.Size([5, 2])
+        >>> functrans.vmap(lambda r: r * 2, out_dims=1)(x).shape
+        torch.Size([3, 5])
     """
     api = _api_name(func, in_dims, out_dims)
     check_randomness(randomness, api)
@@ -67,7 +89,7 @@ def vmap(func: Callable, in_dims: Any = 0, out_dims: Any = 0, randomness: str = 
     _check_dims_spec(out_dims, "out_dims", api)
 
     @functools.wraps(func)
-    def wrapped(*args, **kwargs):
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
         if dynamo_entry.active():  # inside torch.compile
             return dynamo_entry.call_transform(vmap, (func, in_dims, out_dims, randomness),
                                                {"chunk_size": chunk_size}, args, kwargs)
@@ -76,11 +98,11 @@ def vmap(func: Callable, in_dims: Any = 0, out_dims: Any = 0, randomness: str = 
     return wrapped
 
 
-def _is_dim_leaf(x) -> bool:
+def _is_dim_leaf(x: Any) -> bool:
     return x is None or (isinstance(x, int) and not isinstance(x, bool))
 
 
-def check_randomness(randomness, api: str) -> None:
+def check_randomness(randomness: Any, api: str) -> None:
     """``randomness`` must be one of vmap's modes (vmap, jacfwd); ``api`` opens the message."""
     if randomness not in _RANDOMNESS:
         raise TransformArgumentError(
@@ -89,7 +111,7 @@ def check_randomness(randomness, api: str) -> None:
             "(one draw shared by the batch).")
 
 
-def _check_dims_spec(spec, name: str, api: str) -> None:
+def _check_dims_spec(spec: Any, name: str, api: str) -> None:
     leaves, _ = tree_flatten(spec)
     for leaf in leaves:
         if not _is_dim_leaf(leaf):
@@ -99,13 +121,14 @@ def _check_dims_spec(spec, name: str, api: str) -> None:
                 f"got {spec!r}, which contains {leaf!r} ({type(leaf).__name__}).")
 
 
-def _api_name(func, in_dims, out_dims) -> str:
+def _api_name(func: Any, in_dims: Any, out_dims: Any) -> str:
     return transform_call("vmap", func, in_dims=in_dims, out_dims=out_dims)
 
 
-def _flat_in_dims(in_dims, args: Tuple, api: str) -> List[Optional[int]]:
+def _flat_in_dims(in_dims: Any, args: Tuple[Any, ...], api: str) -> List[Any]:
     if isinstance(in_dims, (int, type(None))):
-        return broadcast_prefix(in_dims, args, _is_dim_leaf)
+        # (an int or None is a prefix of any tree: never None here)
+        return cast(List[Any], broadcast_prefix(in_dims, args, _is_dim_leaf))
     if not isinstance(in_dims, (tuple, list)):
         raise TransformArgumentError(
             f"{api}: in_dims must be an int, None, or a tuple with one entry per positional "
@@ -140,7 +163,8 @@ def _check_forward_ad(api: str) -> None:
         "functrans.jvp (or jacfwd) around the vmapped function instead; it handles this case.")
 
 
-def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
+def _vmap_call(func: Callable[..., Any], in_dims: Any, out_dims: Any, randomness: str,
+               chunk_size: Optional[int], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     api = _api_name(func, in_dims, out_dims)
     _check_forward_ad(api)
     flat_args, args_spec = tree_flatten(args)
@@ -157,7 +181,7 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
                 f"{api}: in_dim={d} was given for {names[i]}, which is a "
                 f"{type(a).__name__}, not a tensor. vmap can only map over tensors; use "
                 f"in_dim None for that argument (pass in_dims as a tuple with None there).")
-        if isinstance(a, BatchedTensor) and not a.level.alive and \
+        if isinstance(a, _BatchedTensor) and not a.level.alive and \
                 torch._C._current_autograd_node() is None:
             names = names or leaf_paths(args, "args")
             raise EscapedBatchedTensorError(
@@ -212,7 +236,7 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
 _RAW_DATA_READ = "data is not allocated yet"
 
 
-def _raw_data_error(api) -> UnsupportedUnderVmap:
+def _raw_data_error(api: str) -> UnsupportedUnderVmap:
     return UnsupportedUnderVmap(
         f"{api}: a PyTorch function read the values of a batched tensor directly, as Python "
         "numbers, before any batching rule could see the call. ATen does this in "
@@ -233,7 +257,9 @@ def _resolve_bits(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size, randomness, api):
+def _run(func: Callable[..., Any], flat_args: List[Any], flat_dims: List[Any], args_spec: Any,
+         kwargs: Dict[str, Any], out_dims: Any, batch_size: int, randomness: str, api: str
+         ) -> Tuple["results_with_dims", Any]:
     level = _levels.VmapLevel(batch_size, randomness)
     # logical_ops first: its mode must sit below VmapLevelMode (see functionalization.py)
     with _levels.pushed(level), _functionalization.logical_ops(level), VmapLevelMode(level):
@@ -243,8 +269,10 @@ def _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size, ra
         return _unwrap_outputs(out, out_dims, level, api, flat_args)
 
 
-def _unwrap_outputs(out, out_dims, level, api, inputs=()):
+def _unwrap_outputs(out: Any, out_dims: Any, level: Any, api: str, inputs: Sequence[Any] = ()
+                    ) -> Tuple["results_with_dims", Any]:
     flat_out, out_spec = tree_flatten(out)
+    flat_dims: Optional[List[Any]]
     if _is_dim_leaf(out_dims):
         flat_dims = [out_dims] * len(flat_out)
     elif type(out_dims) is tuple and len(out_dims) == 1 and _is_dim_leaf(out_dims[0]) and \
@@ -271,8 +299,8 @@ def _unwrap_outputs(out, out_dims, level, api, inputs=()):
                 "(e.g. torch.tensor(value)) or set that output's out_dim to None."
                 + (" (Did the function forget to return?)" if o is None and len(flat_out) == 1
                    else ""))
-        batched_here = isinstance(o, BatchedTensor) and o.level is level
-        if isinstance(o, BatchedTensor) and not batched_here and not o.level.alive:
+        batched_here = isinstance(o, _BatchedTensor) and o.level is level
+        if isinstance(o, _BatchedTensor) and not batched_here and not o.level.alive:
             raise EscapedBatchedTensorError(
                 f"{api}: the function returned a BatchedTensor of an inner vmap (level "
                 f"{o.level.id}) that has already returned; it escaped that vmap.")
@@ -293,10 +321,11 @@ def _unwrap_outputs(out, out_dims, level, api, inputs=()):
                 f"per example; expected an out_dim in [{-nd}, {nd - 1}].")
         d %= nd
         if batched_here:
-            v = o.value
+            bt: Any = o  # a BatchedTensor of this level
+            v = bt.value
             if inputs and type(v) is torch.Tensor and v._base is None:
                 v = _as_view_of_input(v, inputs)
-            results.append(match_bdim(v, o.bdim, d, level.batch_size))
+            results.append(match_bdim(v, bt.bdim, d, level.batch_size))
         else:
             results.append(match_bdim(o, None, d, level.batch_size))
     return results_with_dims(results, flat_dims), out_spec
@@ -305,7 +334,7 @@ def _unwrap_outputs(out, out_dims, level, api, inputs=()):
 _is_alias_of = getattr(torch._C, "_is_alias_of", None)
 
 
-def _as_view_of_input(v: torch.Tensor, inputs) -> torch.Tensor:
+def _as_view_of_input(v: torch.Tensor, inputs: Sequence[Any]) -> torch.Tensor:
     """``v`` (a batched output's physical value), as a view of the input it aliases.
 
     Rules run inside ``__torch_dispatch__``, where view tracking (the ADInplaceOrView key) is
@@ -339,17 +368,18 @@ def _as_view_of_input(v: torch.Tensor, inputs) -> torch.Tensor:
     return v
 
 
-class results_with_dims(list):
+class results_with_dims(list[Any]):  # (list[Any] subclasses plain list at run time)
     """The flat outputs of one batched call, with the normalised out_dims (for chunking)."""
 
-    def __init__(self, results, dims):
+    def __init__(self, results: List[Any], dims: List[Any]) -> None:
         super().__init__(results)
         self.dims = [None if d is None else d % (r.dim() if isinstance(r, torch.Tensor) else 1)
                      for r, d in zip(results, dims)]
 
 
-def _run_chunked(func, flat_args, flat_dims, args_spec, kwargs, out_dims, batch_size,
-                 randomness, chunk_size, api):
+def _run_chunked(func: Callable[..., Any], flat_args: List[Any], flat_dims: List[Any],
+                 args_spec: Any, kwargs: Dict[str, Any], out_dims: Any, batch_size: int,
+                 randomness: str, chunk_size: int, api: str) -> Any:
     split = [a.split(chunk_size, d) if d is not None else None
              for a, d in zip(flat_args, flat_dims)]
     n_chunks = (batch_size + chunk_size - 1) // chunk_size

@@ -205,21 +205,31 @@ def debug_unwrap(tensor: torch.Tensor, *, recurse: bool = True) -> torch.Tensor:
 
     Inside a vmapped function every mapped tensor is a ``BatchedTensor`` that shows one
     example; this returns the tensor it wraps, batch dim included (at the physical position
-    the batching rules left it, not necessarily 0).  With ``recurse=True`` (the default) it
-    unwraps every nested vmap level down to an ordinary tensor; with ``recurse=False`` only
-    the outermost wrapper (the innermost vmap's level), which under nested vmaps is itself a
-    ``BatchedTensor`` of the enclosing vmap.  Anything that is not a ``BatchedTensor`` comes back
-    unchanged (functrans's grad transforms do not wrap tensors).
+    the batching rules left it, not necessarily 0).  Anything that is not a ``BatchedTensor``
+    comes back unchanged (functrans's grad transforms do not wrap tensors).
 
     Only for debugging: computing with the result inside the vmapped function mixes examples
     (the batch dim is an ordinary dim to it) and can give wrong results.
 
-    >>> import torch, functrans
-    >>> x = torch.randn(4, 3)
-    >>> seen = []
-    >>> _ = functrans.vmap(lambda t: seen.append(functrans.debug_unwrap(t)) or t)(x)
-    >>> seen[0] is x
-    True
+    Args:
+        tensor: a tensor seen inside a vmapped function (or any tensor).
+        recurse: ``True`` (the default) unwraps every nested vmap level down to an ordinary
+            tensor; ``False`` only the outermost wrapper (the innermost vmap's level), which
+            under nested vmaps is itself a ``BatchedTensor`` of the enclosing vmap.
+
+    Returns:
+        The physical tensor: for one vmap of batch size ``B`` over a per-example shape ``S``,
+        a tensor with ``len(S) + 1`` dims, one of them of size ``B``.
+
+    Example:
+        >>> import torch, functrans
+        >>> x = torch.randn(4, 3)
+        >>> seen = []
+        >>> _ = functrans.vmap(lambda t: seen.append(functrans.debug_unwrap(t)) or t)(x)
+        >>> seen[0] is x
+        True
+        >>> functrans.debug_unwrap(x) is x       # not batched: unchanged
+        True
     """
     if recurse:
         return innermost(tensor)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Dict, Iterator, Optional, Union
+from typing import Any, Dict, Iterator, Optional, Union
 
 import torch
 
@@ -44,12 +44,26 @@ class FallbackRecord:
 
 
 class FallbackReport:
-    """The ops that ran on the loop fallback in a ``record_fallbacks()`` block."""
+    """The ops that ran on the loop fallback in a ``record_fallbacks()`` block.
+
+    ``ops`` maps an op's name (``'aten._add_relu.Tensor'``) to its ``FallbackRecord``
+    (``calls``, ``seconds``, ``rules_file`` where its rule belongs, ``on_purpose``: why it has
+    none, when that is deliberate).  ``total_calls`` and ``total_seconds`` sum them; iterating
+    gives the records, slowest first; ``str`` is a table.  It is false when nothing fell back.
+
+    Example:
+        >>> import torch, functrans
+        >>> with functrans.config.fallback_warnings(False), \\
+        ...         functrans.record_fallbacks() as report:
+        ...     y = functrans.vmap(lambda r: torch.ops.aten._add_relu(r, r))(torch.ones(4, 3))
+        >>> bool(report), len(report), report.ops["aten._add_relu.Tensor"].calls
+        (True, 1, 1)
+    """
 
     def __init__(self) -> None:
         self.ops: Dict[str, FallbackRecord] = {}
 
-    def _add(self, op, seconds: float) -> None:
+    def _add(self, op: Any, seconds: float) -> None:
         rec = self.ops.get(str(op))
         if rec is None:
             rec = self.ops[str(op)] = FallbackRecord(
@@ -90,16 +104,35 @@ class FallbackReport:
 
 
 class record_fallbacks:
-    """Context manager: record the ops that take the loop fallback in this thread.
+    """Context manager: record the ops that take the per-example loop fallback (ops with no
+    batching rule) inside the block, in this thread, with call counts and time spent.
 
     Blocks nest (each records everything inside it).  The fallback's once-per-op
-    ``PerformanceWarning`` is unaffected."""
+    ``PerformanceWarning`` is unaffected (``functrans.config.fallback_warnings(False)``
+    silences it).
+
+    Returns:
+        On entering, a ``FallbackReport``, filled in as the block runs.
+
+    Example:
+        >>> import torch, functrans
+        >>> x = torch.arange(6.).reshape(2, 3)
+        >>> with functrans.config.fallback_warnings(False), \\
+        ...         functrans.record_fallbacks() as report:
+        ...     y = functrans.vmap(lambda r: torch.ops.aten._add_relu(r, r))(x)
+        >>> list(report.ops), report.total_calls
+        (['aten._add_relu.Tensor'], 1)
+        >>> with functrans.record_fallbacks() as report:
+        ...     y = functrans.vmap(torch.sin)(x)
+        >>> print(report)
+        vmap fallback report: no op ran on the loop fallback.
+    """
 
     def __init__(self) -> None:
         self.report = FallbackReport()
         self._thread: Optional[int] = None
 
-    def _observe(self, op, seconds: float) -> None:
+    def _observe(self, op: Any, seconds: float) -> None:
         if threading.get_ident() == self._thread:
             self.report._add(op, seconds)
 
@@ -108,7 +141,7 @@ class record_fallbacks:
         fallback.observers.append(self._observe)
         return self.report
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         fallback.observers.remove(self._observe)
 
 
@@ -130,8 +163,32 @@ def _overload(op: OpLike) -> torch._ops.OpOverload:
 
 
 def batching_coverage(op: OpLike) -> str:
-    """How vmap runs ``op``: 'rule', 'tag', 'derived', 'composite', 'decomposition' or
-    'fallback' (see the module docstring)."""
+    """How vmap runs one ATen op (see the module docstring).
+
+    Args:
+        op: an ``OpOverload`` (``torch.ops.aten.add.Tensor``), an ``OpOverloadPacket`` (its
+            default overload) or a name: ``'aten.add.Tensor'``, ``'aten::add[.Tensor]'`` or
+            ``'add[.Tensor]'``.
+
+    Returns:
+        ``'rule'`` (an explicit batching rule), ``'tag'`` (a tag rule, e.g. every pointwise
+        op), ``'derived'`` (an in-place / ``out=`` / ``*_copy`` variant run by its functional
+        op's rule), ``'composite'`` (decomposes above dispatch into batched ops),
+        ``'decomposition'`` (a ``torch._decomp`` decomposition) or ``'fallback'`` (the slow
+        per-example loop).
+
+    Raises:
+        TransformTypeError: ``op`` is not an op or the name of one.
+
+    Example:
+        >>> import torch, functrans
+        >>> functrans.batching_coverage(torch.ops.aten.mm)
+        'rule'
+        >>> functrans.batching_coverage("aten::add.Tensor")
+        'tag'
+        >>> functrans.batching_coverage("aten._add_relu.Tensor")
+        'fallback'
+    """
     ov = _overload(op)
     how, _ = registry.find_rule(ov)
     if how == "cia":
@@ -143,8 +200,17 @@ def batching_coverage(op: OpLike) -> str:
 
 def batching_rules() -> Dict[str, str]:
     """``{op overload name: rules file}`` for every ATen overload with a rule of any kind
-    (explicit, tag or derived).  The ATen overloads are all those the dispatcher registers
-    (``op_schema.all_overloads()``), so the answer does not depend on what ran before."""
+    (explicit, tag or derived), sorted by name.
+
+    The ATen overloads are all those the dispatcher registers (``op_schema.all_overloads()``),
+    so the answer does not depend on what ran before.
+
+    Example:
+        >>> import functrans
+        >>> rules = functrans.batching_rules()
+        >>> rules["aten.mm.default"].endswith(".py"), "aten.sin.default" in rules
+        (True, True)
+    """
     out = {}
     for ov in all_overloads():
         try:

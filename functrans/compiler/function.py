@@ -26,7 +26,7 @@ import threading
 import traceback
 import warnings
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union, cast, overload
 
 import torch
 import torch.utils._pytree as pytree
@@ -45,7 +45,7 @@ _TRACER_DIRS = tuple(_TORCH_DIR + d + os.sep for d in ("fx", "_subclasses", "_dy
                                                         "_guards"))
 
 
-def _mismatch(entry: Entry, tensors, answer) -> Optional[str]:
+def _mismatch(entry: Entry, tensors: List[torch.Tensor], answer: Any) -> Optional[str]:
     """None when ``entry`` run on copies of ``tensors`` gives ``answer``; else why not."""
     copies = [t.detach().clone() for t in tensors]
     with torch.no_grad():
@@ -73,8 +73,8 @@ def _tracer_failure(exc: BaseException) -> bool:
 class CompiledFunction:
     """``fn`` traced once per key into a graph and replayed; see ``functrans.compile``."""
 
-    def __init__(self, fn: Callable, backend: str, dynamic: Optional[bool], strict: bool,
-                 cache_size: int):
+    def __init__(self, fn: Callable[..., Any], backend: str, dynamic: Optional[bool],
+                 strict: bool, cache_size: int) -> None:
         functools.update_wrapper(self, fn)
         self._fn = fn
         self.backend = backend
@@ -84,11 +84,11 @@ class CompiledFunction:
         self._eager_reason: Optional[str] = None
         # dynamic sizes: graphs traced with symbolic sizes, keyed by guards.dynamic_key
         self._symbolic = dynamic is True and backend == "replay"
-        self._dynamic: dict = {}
+        self._dynamic: Dict[Any, List[Entry]] = {}
         _all_compiled.add(self)
 
     # ---------------------------------------------------------------- the call
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._eager_reason is not None:
             self._cache.note_eager(None)
             return self._fn(*args, **kwargs)
@@ -133,13 +133,15 @@ class CompiledFunction:
         return None
 
     # ---------------------------------------------------------------- dynamic sizes
-    def _dynamic_hit(self, key, tensors) -> Optional[Entry]:
+    def _dynamic_hit(self, key: Any, tensors: List[torch.Tensor]) -> Optional[Entry]:
         for entry in self._dynamic.get(dynamic_key(key), ()):
-            if entry.shape_guard(tensors) and entry.stale() is None:
+            guard: Any = entry.shape_guard   # set when a symbolic entry is filed
+            if guard(tensors) and entry.stale() is None:
                 return entry
         return None
 
-    def _add_symbolic(self, key, args, kwargs, tensors, answer) -> None:
+    def _add_symbolic(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                      tensors: List[torch.Tensor], answer: Any) -> None:
         """After a static miss (whose real trace gave ``answer``): trace again with symbolic
         sizes (nothing runs), check that graph against ``answer`` on copies of the arguments,
         and file it under the key without sizes.  Fake tensors can get strides the real kernels
@@ -151,9 +153,11 @@ class CompiledFunction:
                 return                   # another thread filed one that covers these sizes
             try:
                 trace = tracer.trace(self._fn, args, kwargs, tensors, symbolic=True)
-                refusal = trace.untraceable or passes.unreplayable_twice(trace.graph_module)
+                # (a trace that is not untraceable has its graph)
+                gm = cast(torch.fx.GraphModule, trace.graph_module)
+                refusal = trace.untraceable or passes.unreplayable_twice(gm)
                 if refusal is None:
-                    guard = shape_guard(trace.graph_module)
+                    guard = shape_guard(gm)
                     entry = self._make_entry(key, trace, tensors)
                     refusal = _mismatch(entry, tensors, answer)
             except Exception as exc:
@@ -170,7 +174,8 @@ class CompiledFunction:
         del entries[:-self._cache.size]
 
     # ---------------------------------------------------------------- a miss
-    def _miss(self, key, args, kwargs, tensors, why: Optional[str]):
+    def _miss(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+              tensors: List[torch.Tensor], why: Optional[str]) -> Any:
         with _TRACE_LOCK:
             if self._eager_reason is not None:      # another thread's trace gave up meanwhile
                 self._cache.note_eager(None)
@@ -193,9 +198,9 @@ class CompiledFunction:
             self._cache.put(self._make_entry(key, trace, tensors))
             return trace.outputs
 
-    def _make_entry(self, key, trace: tracer.Trace, tensors) -> Entry:
+    def _make_entry(self, key: Any, trace: tracer.Trace, tensors: List[torch.Tensor]) -> Entry:
         backend = self.backend
-        notes = []
+        notes: List[str] = []
         try:
             run = backends.build(backend, trace, tensors)
         except backends.BackendUnavailable as exc:
@@ -206,7 +211,7 @@ class CompiledFunction:
             run = backends.build("replay", trace, tensors)
         if backend == "inductor":
             run = self._with_replay_fallback(run, trace, tensors, notes)
-        gm = trace.graph_module
+        gm = cast(torch.fx.GraphModule, trace.graph_module)  # an entry is made of a graph
         constants = [c for c in trace.constants.values() if isinstance(c, torch.Tensor)]
         entry = Entry(key, run, trace.captured, constants, trace.out_spec, trace.out_leaves,
                       trace.out_tensor_positions, passes.count_ops(gm.graph), trace.seconds,
@@ -214,23 +219,27 @@ class CompiledFunction:
         entry.notes.extend(notes)
         return entry
 
-    def _with_replay_fallback(self, run, trace, tensors, notes):
+    def _with_replay_fallback(self, run: Callable[[List[Any]], List[Any]], trace: tracer.Trace,
+                              tensors: List[torch.Tensor], notes: List[str]
+                              ) -> Callable[[List[Any]], List[Any]]:
         """Inductor compiles on its first run: if that fails (before any kernel ran), the
         entry replays the graph from then on."""
-        state = {"run": run, "checked": False}
+        state: Dict[str, Any] = {"run": run, "checked": False}
 
-        def first_then(inputs):
+        def first_then(inputs: List[Any]) -> List[Any]:
             if state["checked"]:
-                return state["run"](inputs)
+                done: List[Any] = state["run"](inputs)
+                return done
             try:
-                out = state["run"](inputs)
+                out: List[Any] = state["run"](inputs)
             except Exception as exc:
                 notes.append(f"inductor failed ({type(exc).__name__}: {exc}); replayed instead")
                 warnings.warn(f"{self._api()}: inductor could not compile this graph "
                               f"({type(exc).__name__}: {exc}); it is replayed instead.",
                               CompileWarning, stacklevel=3)
-                state["run"] = backends.replay.build(trace.graph_module,
-                                                     keep_autograd=trace.needs_autograd)
+                state["run"] = backends.replay.build(
+                    cast(torch.fx.GraphModule, trace.graph_module),
+                    keep_autograd=trace.needs_autograd)
                 out = state["run"](inputs)
             state["checked"] = True
             return out
@@ -265,10 +274,10 @@ class CompiledFunction:
         self._cache.clear()
         self._dynamic.clear()
 
-    def entries(self):
+    def entries(self) -> List[Entry]:
         return self._cache.all_entries()
 
-    def __get__(self, obj, objtype=None):
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None:
             return self
         return functools.partial(self, obj)
@@ -278,13 +287,62 @@ class CompiledFunction:
                f"backend={self.backend!r})>"
 
 
-def compile(fn: Optional[Callable] = None, *, backend: str = "replay",
-            dynamic: Optional[bool] = None, strict: bool = False, cache_size: int = 8):
+@overload
+def compile(fn: Callable[..., Any], *, backend: str = ..., dynamic: Optional[bool] = ...,
+            strict: bool = ..., cache_size: int = ...) -> CompiledFunction: ...
+
+
+@overload
+def compile(fn: None = ..., *, backend: str = ..., dynamic: Optional[bool] = ...,
+            strict: bool = ..., cache_size: int = ...
+            ) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
+
+
+def compile(fn: Optional[Callable[..., Any]] = None, *, backend: str = "replay",
+            dynamic: Optional[bool] = None, strict: bool = False, cache_size: int = 8
+            ) -> Union[CompiledFunction, Callable[[Callable[..., Any]], CompiledFunction]]:
     """Trace ``fn`` (typically a transform stack: ``compile(vmap(grad(loss)))``) once per
     argument signature into one graph of plain ATen ops, and replay it on later calls.
 
     Same signature and results as ``fn``; see the README's "Compiled transforms".  Usable as
-    ``@compile`` or ``@compile(backend="inductor")``.
+    ``@compile`` or ``@compile(backend="inductor")``.  A call is keyed on the arguments'
+    structure, tensor metadata (shape, strides, dtype, device, requires_grad), non-tensor
+    values and ambient state (grad mode, default dtype, autocast); a new key traces again.
+    Calls inside another functrans transform, and functions that do something a graph cannot
+    bake in (a branch on a tensor's value, ``.item()``), run eagerly (after one
+    ``CompileWarning``); ``cache_info()`` and ``explain`` say why.
+
+    Args:
+        fn: the function to compile; ``None`` returns a decorator with these settings.
+        backend: ``'replay'`` (the traced graph replayed op by op, no compiler needed),
+            ``'inductor'`` or ``'cudagraphs'``.
+        dynamic: ``True``: trace sizes symbolically, so one graph serves every size its shape
+            guards allow; ``False``: one graph per size; ``None``: static, symbolic after a
+            second size is seen.
+        strict: raise ``UntraceableError`` instead of warning and running eagerly.
+        cache_size: how many graphs to keep (least recently used evicted beyond it).
+
+    Returns:
+        A ``CompiledFunction`` (callable like ``fn``, with ``cache_info()`` and
+        ``cache_clear()``), or, with ``fn=None``, a decorator that makes one.
+
+    Raises:
+        TransformArgumentError: an unknown backend, a bad ``dynamic``/``strict``/``cache_size``,
+            or an ``fn`` that is not callable.
+
+    Example:
+        >>> import torch, functrans
+        >>> loss = lambda w, x: (x @ w).pow(2).sum()
+        >>> per_example_grads = functrans.compile(functrans.vmap(functrans.grad(loss),
+        ...                                                      in_dims=(None, 0)))
+        >>> w, xs = torch.ones(3), torch.ones(4, 2, 3)
+        >>> per_example_grads(w, xs).shape          # traced on this first call
+        torch.Size([4, 3])
+        >>> torch.allclose(per_example_grads(w, xs), torch.full((4, 3), 12.))   # replayed
+        True
+        >>> info = per_example_grads.cache_info()
+        >>> info.misses, info.hits, len(info.entries)
+        (1, 1, 1)
     """
     api = transform_call("compile", fn, backend=backend, dynamic=dynamic, strict=strict,
                          cache_size=cache_size)
@@ -309,5 +367,5 @@ def compile(fn: Optional[Callable] = None, *, backend: str = "replay",
     return CompiledFunction(fn, backend, dynamic, strict, cache_size)
 
 
-def all_compiled():
+def all_compiled() -> List[CompiledFunction]:
     return list(_all_compiled)

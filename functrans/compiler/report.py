@@ -8,23 +8,24 @@
   graph is filed under (argument structure, tensor metadata, non-tensor values, ambient state)
   and the captured state it re-reads on every call; ``print`` it.
 
-Imports: compiler.function, compiler.guards.
+Imports: compiler.cache (CacheInfo, a type), compiler.function, compiler.guards.
 """
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from .cache import CacheInfo
 from .function import CompiledFunction, all_compiled, compile
 from .guards import AMBIENT_NAMES, ambient, call_key, is_tensor_part
 
 
 @dataclass
 class CompileReport:
-    functions: List[tuple]    # (name, CacheInfo)
+    functions: List[Tuple[str, CacheInfo]]    # (name, CacheInfo)
 
     def __str__(self) -> str:
         if not self.functions:
@@ -37,6 +38,22 @@ class CompileReport:
 
 
 def compile_report() -> CompileReport:
+    """What every live ``functrans.compile``d function did: one ``CompileReport`` listing,
+    per function, its ``cache_info()`` (graphs, hits, misses, calls that ran eagerly and why,
+    retrace reasons, trace time, op counts); ``print`` it.
+
+    Returns:
+        A ``CompileReport``: ``functions`` is a list of ``(name, CacheInfo)``; its ``str`` is
+        the table.
+
+    Example:
+        >>> import torch, functrans
+        >>> f = functrans.compile(lambda x: x.sin() * 2)
+        >>> _ = f(torch.ones(3)), f(torch.ones(3))
+        >>> report = functrans.compile_report()
+        >>> [info.hits for name, info in report.functions if name == repr(f)]
+        [1]
+    """
     return CompileReport([(repr(f), f.cache_info()) for f in all_compiled()])
 
 
@@ -66,7 +83,7 @@ class Explanation:
         return "\n".join(lines)
 
 
-def _describe_key(key) -> List[str]:
+def _describe_key(key: Any) -> List[str]:
     sig, amb = key
     out = []
     tensor_i = 0
@@ -87,7 +104,32 @@ def _describe_key(key) -> List[str]:
     return out
 
 
-def explain(fn, *args, **kwargs) -> Explanation:
+def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Explanation:
+    """Trace ``fn`` on these arguments (running it once) and say what ``functrans.compile``
+    makes of it: the graph, the guards it is filed under and the state it re-reads.
+
+    Args:
+        fn: a plain function (compiled with the default settings for this) or a
+            ``functrans.compile``d one (its backend and ``dynamic`` setting are used).
+        *args: the positional arguments to trace it on.
+        **kwargs: the keyword arguments to trace it on.
+
+    Returns:
+        An ``Explanation``: ``runs_eagerly`` (why the call would run eagerly, or None),
+        ``ops`` (the graph's op count), ``graph`` (one ATen op per line), ``code`` (what the
+        backend runs), ``guards`` (argument structure, tensor metadata, non-tensor values,
+        ambient state) and ``captured`` (state re-read on every call); ``print`` it.
+
+    Example:
+        >>> import torch, functrans
+        >>> e = functrans.explain(lambda x: x.sin() * 2, torch.ones(3))
+        >>> e.runs_eagerly, e.ops
+        (None, 2)
+        >>> [op for op in ("aten.sin.default", "aten.mul.Tensor") if op in e.graph]
+        ['aten.sin.default', 'aten.mul.Tensor']
+        >>> e.guards[1]
+        'tensor 0: shape (3,), strides (1,), torch.float32, cpu, requires_grad=False'
+    """
     compiled = fn if isinstance(fn, CompiledFunction) else compile(fn)
     probe = CompiledFunction(compiled._fn, compiled.backend, compiled.dynamic, False, 1)
     with warnings.catch_warnings(record=True):

@@ -16,8 +16,29 @@ from torch import nn
 
 
 def replace_all_batch_norm_modules_(root: nn.Module) -> nn.Module:
-    """In place: every ``nn.modules.batchnorm._BatchNorm`` under ``root`` stops tracking running
-    stats.  Returns ``root``."""
+    """In place: every BatchNorm (``nn.modules.batchnorm._BatchNorm``) under ``root`` stops
+    tracking running stats, so that ``root`` runs under ``vmap`` in training mode.
+
+    ``running_mean``, ``running_var`` and ``num_batches_tracked`` are set to None and
+    ``track_running_stats`` to False: training mode then normalises with each (per-example
+    under vmap) batch's statistics only.  To keep running stats, batch them instead
+    (``stack_module_state`` / ``Ensemble``).
+
+    Args:
+        root: the module to change (its submodules included).
+
+    Returns:
+        ``root`` itself, changed.
+
+    Example:
+        >>> import torch, functrans
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        >>> _ = functrans.replace_all_batch_norm_modules_(net)
+        >>> net[1].running_mean is None, net[1].track_running_stats
+        (True, False)
+        >>> functrans.vmap(net)(torch.randn(6, 5, 3)).shape   # 6 batches of 5, each normalised
+        torch.Size([6, 5, 4])
+    """
     for module in root.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             module.running_mean = None

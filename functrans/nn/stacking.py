@@ -11,7 +11,7 @@ Imports: errors, stateless, batching.api.
 from __future__ import annotations
 
 import copy
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -42,9 +42,35 @@ def _stack(name: str, tensors: Sequence[torch.Tensor], kind: str) -> torch.Tenso
 
 def stack_module_state(models: Sequence[nn.Module]
                        ) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
-    """``(params, buffers)`` of ``models`` stacked along a new leading dim (see the module
-    docstring).  The models must share class, training mode and parameter/buffer names and
-    shapes."""
+    """The parameters and buffers of ``models`` stacked along a new leading dim, for ``vmap``
+    over ``functional_call`` (an ensemble in one batched call).
+
+    Args:
+        models: N modules of one class and architecture: the same parameter/buffer names and
+            shapes, the same ``requires_grad`` per parameter, all in training or all in eval
+            mode.
+
+    Returns:
+        ``(params, buffers)``: two dicts ``name -> tensor``; a parameter of shape ``S`` gives a
+        tensor of shape ``(N, *S)``.  Stacked parameters are new leaf tensors (requiring grad
+        when the models' do), so an optimizer can update them directly; buffers are stacked
+        copies.  Later changes to ``models`` do not show in them.
+
+    Raises:
+        TransformArgumentError: no models, a non-module, different classes, modes, names,
+            shapes or ``requires_grad``.
+
+    Example:
+        >>> import torch, functrans
+        >>> models = [torch.nn.Linear(3, 2) for _ in range(4)]
+        >>> params, buffers = functrans.stack_module_state(models)
+        >>> params["weight"].shape, params["bias"].requires_grad, buffers
+        (torch.Size([4, 2, 3]), True, {})
+        >>> skeleton = models[0]
+        >>> run = lambda p, b, x: functrans.functional_call(skeleton, (p, b), (x,))
+        >>> functrans.vmap(run, in_dims=(0, 0, None))(params, buffers, torch.ones(5, 3)).shape
+        torch.Size([4, 5, 2])
+    """
     models = list(models)
     if not models:
         raise TransformArgumentError(f"{_API}: expected at least one model, got 0.")
@@ -77,14 +103,37 @@ def stack_module_state(models: Sequence[nn.Module]
 class Ensemble:
     """N models of one architecture evaluated together with one ``vmap``.
 
-    >>> ens = Ensemble([make_model() for _ in range(8)])          # doctest: +SKIP
-    >>> ens(x)                      # one minibatch shared by every member -> [8, ...]
-    >>> ens(xs, shared=False)       # xs[i] goes to member i
-    >>> opt = torch.optim.Adam(ens.parameters(), lr=1e-3)         # trains all 8 at once
+    ``params`` / ``buffers`` are the stacked state (see ``stack_module_state``: a parameter
+    of shape ``S`` is stored as ``(N, *S)``); buffers such as BatchNorm's running stats are
+    updated per member in training mode.  ``members()`` returns ordinary modules holding each
+    member's current values.
 
-    ``params`` / ``buffers`` are the stacked state (see ``stack_module_state``); buffers such as
-    BatchNorm's running stats are updated per member in training mode.  ``members()`` returns
-    ordinary modules holding each member's current values.
+    Args:
+        models: N modules of one class and architecture (copied: later changes to them do
+            not show in the ensemble).
+        randomness: as ``vmap``'s: ``'error'``, ``'different'`` (dropout draws per member) or
+            ``'same'``.
+        chunk_size: as ``vmap``'s: run this many members at a time (bounds memory).
+
+    Calling ``ens(*args, shared=True, **kwargs)`` runs every member: on the same inputs
+    (``shared=True``; a result of per-member shape ``S`` comes back as ``(N, *S)``), or member
+    ``i`` on ``args[j][i]`` for each tensor argument (``shared=False``: dim 0 of every tensor
+    argument must be N).  Keyword arguments are shared.
+
+    Example:
+        >>> import torch, functrans
+        >>> models = [torch.nn.Linear(3, 2) for _ in range(4)]
+        >>> ens = functrans.Ensemble(models)
+        >>> x = torch.randn(5, 3)
+        >>> ens(x).shape                                # the same minibatch for every member
+        torch.Size([4, 5, 2])
+        >>> torch.allclose(ens(x)[2], models[2](x))
+        True
+        >>> ens(torch.randn(4, 5, 3), shared=False).shape   # minibatch i for member i
+        torch.Size([4, 5, 2])
+        >>> opt = torch.optim.SGD(ens.parameters(), lr=0.1)  # trains all 4 at once
+        >>> len(ens), len(ens.members())
+        (4, 4)
     """
 
     def __init__(self, models: Sequence[nn.Module], *, randomness: str = "error",
@@ -111,7 +160,7 @@ class Ensemble:
     def eval(self) -> "Ensemble":
         return self.train(False)
 
-    def __call__(self, *args, shared: bool = True, **kwargs):
+    def __call__(self, *args: Any, shared: bool = True, **kwargs: Any) -> Any:
         """Every member on ``args``: the same inputs for all (``shared=True``) or input ``i``
         along dim 0 for member ``i`` (``shared=False``).  Outputs gain a leading member dim."""
         if not shared:
@@ -122,7 +171,8 @@ class Ensemble:
                         f"dim 0 must be the number of members ({self.size}).")
         skeleton = self._skeleton
 
-        def one(params, buffers, *a):
+        def one(params: Dict[str, torch.Tensor], buffers: Dict[str, torch.Tensor],
+                *a: Any) -> Any:
             return functional_call(skeleton, (params, buffers), a, kwargs)
 
         data_dims = tuple(None if shared or not isinstance(a, torch.Tensor) else 0 for a in args)

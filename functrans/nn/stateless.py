@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple, Union
+from typing import (Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union,
+                    cast)
 
 import torch
 from torch import nn
@@ -128,12 +129,14 @@ def swapped_tensors(module: nn.Module, values: Mapping[str, torch.Tensor],
         yield from _swapped(module, values, api)
 
 
-def _swapped(module: nn.Module, values: Mapping[str, torch.Tensor], api: str):
+def _swapped(module: nn.Module, values: Mapping[str, torch.Tensor], api: str
+             ) -> Iterator[None]:
     undo: List[Tuple[Dict[str, Any], str, Any, bool]] = []
     try:
         for name, value in values.items():
             owner, leaf = _owner(module, name, api)
-            for table in (owner._parameters, owner._buffers):
+            tables = cast(Tuple[Dict[str, Any], ...], (owner._parameters, owner._buffers))
+            for table in tables:
                 if leaf in table:
                     undo.append((table, leaf, table[leaf], True))
                     table[leaf] = value
@@ -152,10 +155,58 @@ def _swapped(module: nn.Module, values: Mapping[str, torch.Tensor], api: str):
 
 
 def functional_call(module: nn.Module, parameter_and_buffer_dicts: Dicts,
-                    args: Union[Any, Tuple] = None, kwargs: Dict[str, Any] = None, *,
-                    tie_weights: bool = True, strict: bool = False):
+                    args: Union[Any, Tuple[Any, ...]] = None,
+                    kwargs: Optional[Dict[str, Any]] = None, *,
+                    tie_weights: bool = True, strict: bool = False) -> Any:
     """Call ``module(*args, **kwargs)`` with its parameters and buffers replaced by the
-    tensors in ``parameter_and_buffer_dicts`` (see the module docstring)."""
+    tensors in ``parameter_and_buffer_dicts``: the module as a pure function of its state.
+
+    The module's own tensors are swapped in for the call and restored afterwards (also on
+    error), so ``grad``, ``vmap`` and ``jacrev`` can differentiate or batch over the dicts
+    (per-example gradients, ensembles).  Concurrent calls on one module from several threads
+    run one after another.
+
+    Args:
+        module: the ``nn.Module`` to call.
+        parameter_and_buffer_dicts: a dict of ``name -> tensor``, or a sequence of such dicts
+            (e.g. ``(params, buffers)``; a name in two dicts is an error).  Names are dotted
+            paths as in ``module.named_parameters()`` (``"encoder.0.weight"``); a name may
+            also name a plain tensor attribute.  Names not given keep the module's own tensors
+            (unless ``strict``).  Each tensor has the shape the module expects (under ``vmap``:
+            per example).
+        args: the positional arguments: a tuple, or a single argument (not a tuple) that is
+            passed alone.  ``None``: no arguments.
+        kwargs: keyword arguments for the forward.
+        tie_weights: names that share one tensor in the module (tied weights) stay tied:
+            giving one of them gives all; giving two of them different tensors is an error.
+        strict: the dicts must give exactly the module's parameters and buffers.
+
+    Returns:
+        Whatever ``module(*args, **kwargs)`` returns.  Buffers that the forward updates in
+        place (BatchNorm's running stats) are updated in the tensors you passed.
+
+    Raises:
+        TransformArgumentError: ``module`` is not an ``nn.Module``, a value is not a tensor, a
+            name is given twice or does not name a tensor of the module, tied names get
+            different tensors, or (``strict``) names are missing or unexpected.
+
+    Example:
+        >>> import torch, functrans
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Linear(3, 2)
+        >>> x = torch.randn(4, 3)
+        >>> zeros = {"weight": torch.zeros(2, 3), "bias": torch.ones(2)}
+        >>> functrans.functional_call(model, zeros, (x,))
+        tensor([[1., 1.],
+                [1., 1.],
+                [1., 1.],
+                [1., 1.]])
+        >>> params = {k: v.detach() for k, v in model.named_parameters()}
+        >>> loss = lambda p, x: functrans.functional_call(model, p, (x,)).pow(2).sum()
+        >>> per_example = functrans.vmap(functrans.grad(loss), in_dims=(None, 0))(params, x)
+        >>> per_example["weight"].shape                 # one (2, 3) gradient per example
+        torch.Size([4, 2, 3])
+    """
     api = transform_call("functional_call", module, "parameter_and_buffer_dicts",
                          **({"strict": True} if strict else {}),
                          **({} if tie_weights else {"tie_weights": False}))
