@@ -33,3 +33,13 @@ def test_readme_examples_run(capsys):
                                atol=1e-6)
     # the DP-SGD example produced one noisy gradient per parameter
     assert set(ns["noisy"]) == {n for n, _ in ns["model"].named_parameters()}
+
+
+def test_the_default_run_leaves_the_sweeps_to_their_marker():
+    # the README's `bash scripts/test.sh -m sweep` runs the long sweeps; the default run must not
+    import tomllib
+    from pathlib import Path
+    conf = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    ini = conf["tool"]["pytest"]["ini_options"]
+    assert "-m 'not sweep'" in ini["addopts"]
+    assert any(m.startswith("sweep:") for m in ini["markers"])
