@@ -126,6 +126,14 @@ def functrans_side(model: nn.Module, batch: Batch, *, max_norm: float,
     return per_sample, private
 
 
+def _cudnn_flags_settable():
+    """Opacus's Embedding grad sampler sets ``torch.backends.cudnn.deterministic``; a process
+    that imported ``torch.testing._internal.common_utils`` (the OpInfo tests do) has frozen
+    those flags (``torch.backends.disable_global_flags()``), so the assignment would raise.
+    This allows it for the block, as the flags' own context managers do."""
+    return getattr(torch.backends, "__allow_nonbracketed_mutation")()
+
+
 def opacus_side(model: nn.Module, batch: Batch, *, max_norm: float, noise_multiplier: float,
                 seed: int = 0, reduction: str = "mean") -> Tuple[Grads, Grads]:
     """``(p.grad_sample, p.grad after DPOptimizer.pre_step())`` from Opacus, on a copy of
@@ -140,7 +148,7 @@ def opacus_side(model: nn.Module, batch: Batch, *, max_norm: float, noise_multip
                       noise_multiplier=noise_multiplier, max_grad_norm=max_norm,
                       expected_batch_size=x.shape[0], loss_reduction=reduction,
                       generator=torch.Generator().manual_seed(seed))
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _cudnn_flags_settable():
         warnings.filterwarnings("ignore", message=HOOK_WARNING)
         F.cross_entropy(gsm(x), y, reduction=reduction).backward()
     named = list(model.named_parameters())
