@@ -243,6 +243,14 @@ def innermost(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def at_level(x, level):
+    """``(physical value, bdim)`` of ``x`` at ``level``: a wrapper of that level unwrapped,
+    anything else (a plain value, a wrapper of a lower level) as it is, with bdim None."""
+    if type(x) is BatchedTensor and x.level is level:
+        return x.value, x.bdim
+    return x, None
+
+
 def top_level(args, kwargs=None):
     """The innermost (highest) vmap level among the wrappers in ``args``, their lists and
     tuples, and ``kwargs``'s values; None when there is none.  Wrappers of that level are the

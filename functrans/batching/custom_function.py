@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, 
 from .. import _levels
 from .._pytree import broadcast_prefix, tree_flatten, tree_unflatten
 from ..errors import UnsupportedUnderVmap
-from .batched_tensor import BatchedTensor, top_level
+from .batched_tensor import BatchedTensor, at_level, top_level
 from .mode import VmapLevelMode
 
 _BT = BatchedTensor
@@ -197,14 +197,10 @@ class _Below:
 
 
 def _unwrap(a, level):
-    if type(a) is _BT:
-        if a.level is level:
-            return a.value, a.bdim
-        return a, None
     if type(a) in (list, tuple) and any(type(b) is _BT for b in a):
         pairs = [_unwrap(b, level) for b in a]
         return type(a)(p[0] for p in pairs), type(a)(p[1] for p in pairs)
-    return a, None
+    return at_level(a, level)
 
 
 def _is_dim_leaf(x) -> bool:
@@ -383,15 +379,9 @@ def _restore_vmap(fn, in_dims, info):
                        BatchedTensor(x, d % x.dim(), level) for x, d in zip(flat, flat_dims)]
             out = fn(*tree_unflatten(wrapped, spec))
             flat_out, out_spec = tree_flatten(out)
-            vals, dims = [], []
-            for o in flat_out:
-                if type(o) is _BT and o.level is level:
-                    vals.append(o.value)
-                    dims.append(o.bdim)
-                else:
-                    vals.append(o)
-                    dims.append(None)
-        return tree_unflatten(vals, out_spec), tree_unflatten(dims, out_spec)
+            pairs = [at_level(o, level) for o in flat_out]
+        return (tree_unflatten([v for v, _ in pairs], out_spec),
+                tree_unflatten([d for _, d in pairs], out_spec))
 
     return run
 
@@ -422,8 +412,7 @@ class _CtxSavingBdims(_WrappedCtx):
         self._saved_dims = ()
 
     def _unwrap_saved(self, tensors):
-        pairs = [(t.value, t.bdim) if type(t) is _BT and t.level is self._level else (t, None)
-                 for t in tensors]
+        pairs = [at_level(t, self._level) for t in tensors]
         self._saved_dims = tuple(d for _, d in pairs)
         return [v for v, _ in pairs]
 
@@ -435,7 +424,7 @@ class _CtxSavingBdims(_WrappedCtx):
 
     def mark_non_differentiable(self, *tensors):
         self._ctx.mark_non_differentiable(
-            *[t.value if type(t) is _BT and t.level is self._level else t for t in tensors])
+            *[at_level(t, self._level)[0] for t in tensors])
 
 
 class _CtxWithSaved(_WrappedCtx):

@@ -37,7 +37,7 @@ import torch.autograd.forward_ad as _fwAD
 from ..errors import EscapedBatchedTensorError, UnsupportedUnderVmap
 from .. import functionalization as _functionalization
 from . import decompositions, guards, registry
-from .batched_tensor import BatchedTensor, top_level
+from .batched_tensor import BatchedTensor, at_level, top_level
 from .fallback import loop_fallback
 
 _BT = BatchedTensor
@@ -153,10 +153,6 @@ def unwrap(args, kwargs, level, grad_on: bool):
 
 def _unwrap_one(a, level):
     """(physical value, bdim) of one argument at ``level`` (lists and tuples elementwise)."""
-    if type(a) is _BT:
-        if a.level is level:
-            return a.value, a.bdim
-        return a, None
     if type(a) in (list, tuple) and a and any(type(b) is _BT for b in a):
         vals, dims = [], []
         for b in a:
@@ -164,7 +160,7 @@ def _unwrap_one(a, level):
             vals.append(v)
             dims.append(d)
         return type(a)(vals), dims
-    return a, None
+    return at_level(a, level)
 
 
 def run_below(op, vals, kwargs, track):

@@ -27,7 +27,7 @@ import torch
 from .. import config
 from ..errors import PerformanceWarning, UnsupportedUnderVmap
 from . import decompositions
-from .batched_tensor import BatchedTensor
+from .batched_tensor import BatchedTensor, at_level
 from .known_fallbacks import reason
 from .op_schema import written_arguments
 from .randomness import draws_random
@@ -183,14 +183,8 @@ def loop_fallback(op, level, in_dims, *vals, _declined: bool = False, _undecompo
             f"vmap: {op} has no batching rule and the batch is empty (size 0), so the "
             "per-example fallback cannot infer the output shape.")
     kw_items = list(kwargs.items())
-    kw_vals, kw_dims = [], []
-    for _, v in kw_items:
-        if type(v) is BatchedTensor and v.level is level:
-            kw_vals.append(v.value)
-            kw_dims.append(v.bdim)
-        else:
-            kw_vals.append(v)
-            kw_dims.append(None)
+    kw_pairs = [at_level(v, level) for _, v in kw_items]
+    kw_vals, kw_dims = [v for v, _ in kw_pairs], [d for _, d in kw_pairs]
     outs = []
     blind = op.overloadpacket.__name__ in STRIDE_BLIND
     for i in range(size):

@@ -27,7 +27,7 @@ scipy opt_einsum`` next to an installed torch); it is imported inside the functi
 functrans is imported.  Argument errors are ``functrans.errors`` types that open with the call
 echoed, e.g. ``privacy_spent(noise_multiplier=0.0, ...): noise_multiplier must be ...``.
 
-Imports: errors (the optional opacus package is imported inside the functions).
+Imports: errors, poisson (the optional opacus package is imported inside the functions).
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ import warnings
 from typing import Any, List, Tuple
 
 from ..errors import MissingDependencyError, TransformArgumentError, transform_call
+from .poisson import check_sample_rate
 
 __all__ = ["privacy_spent", "noise_for_epsilon", "PrivacyLedger", "ACCOUNTANTS"]
 
@@ -92,15 +93,6 @@ def _check_noise(noise_multiplier: Any, api: str) -> float:
     return sigma
 
 
-def _check_sample_rate(sample_rate: Any, api: str) -> float:
-    q = _real(sample_rate, "sample_rate", api)
-    if not 0 < q <= 1:
-        raise TransformArgumentError(
-            f"{api}: sample_rate must be in (0, 1] (the probability that an example joins a "
-            f"batch: expected batch size / dataset size); got {sample_rate!r}.")
-    return q
-
-
 def _check_delta(delta: Any, api: str) -> float:
     d = _real(delta, "delta", api)
     if not 0 < d < 1:
@@ -143,7 +135,7 @@ def privacy_spent(*, noise_multiplier: float, sample_rate: float, steps: int, de
                          accountant=accountant)
     _check_accountant(accountant, api)
     sigma = _check_noise(noise_multiplier, api)
-    q = _check_sample_rate(sample_rate, api)
+    q = check_sample_rate(sample_rate, api)
     n = _check_steps(steps, api)
     d = _check_delta(delta, api)
     if n == 0:
@@ -182,7 +174,7 @@ def noise_for_epsilon(*, target_epsilon: float, sample_rate: float, steps: int, 
         raise TransformArgumentError(
             f"{api}: target_epsilon must be > 0 (ε = 0 would need infinite noise); got "
             f"{target_epsilon!r}.")
-    q = _check_sample_rate(sample_rate, api)
+    q = check_sample_rate(sample_rate, api)
     n = _check_steps(steps, api, minimum=1)
     d = _check_delta(delta, api)
     tol = _real(epsilon_tolerance, "epsilon_tolerance", api)
@@ -235,7 +227,7 @@ class PrivacyLedger:
         api = transform_call("PrivacyLedger.step", None, noise_multiplier=noise_multiplier,
                              sample_rate=sample_rate, steps=steps)
         sigma = _check_noise(noise_multiplier, api)
-        q = _check_sample_rate(sample_rate, api)
+        q = check_sample_rate(sample_rate, api)
         n = _check_steps(steps, api)
         try:
             for _ in range(n):   # the accountant merges equal consecutive steps into one run

@@ -33,6 +33,17 @@ from ..errors import TransformArgumentError, transform_call
 __all__ = ["PoissonSampler", "poisson_data_loader"]
 
 
+def check_sample_rate(sample_rate: Any, api: str) -> float:
+    """``sample_rate`` as a float in (0, 1], or the argument error (shared with the privacy
+    accounting, which takes the same rate)."""
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real) or \
+            not 0 < float(sample_rate) <= 1:
+        raise TransformArgumentError(
+            f"{api}: sample_rate must be in (0, 1] (the probability that an example joins a "
+            f"batch: expected batch size / dataset size); got {sample_rate!r}.")
+    return float(sample_rate)
+
+
 class PoissonSampler(Sampler[torch.Tensor]):
     """Batches of indices into ``range(num_samples)``, each index kept with probability
     ``sample_rate``, independently, at every step.
@@ -71,11 +82,7 @@ class PoissonSampler(Sampler[torch.Tensor]):
             raise TransformArgumentError(
                 f"{api}: num_samples must be an int >= 1 (the dataset size); got "
                 f"{num_samples!r}.")
-        if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real) or \
-                not 0 < sample_rate <= 1:
-            raise TransformArgumentError(
-                f"{api}: sample_rate must be in (0, 1] (the probability that an example joins "
-                f"a batch: expected batch size / dataset size); got {sample_rate!r}.")
+        sample_rate = check_sample_rate(sample_rate, api)
         if steps is None:
             steps = int(1 / sample_rate)
         elif isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:

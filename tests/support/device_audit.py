@@ -43,6 +43,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.support.opinfo_sweep import _first_line as first_line
+
 aten = torch.ops.aten
 
 # Kinds of host sync, by op (the overload packet's name).
@@ -55,7 +57,7 @@ HOST_READ = "tolist()/numpy() of a tensor"
 _KIND_BY_OP: Dict[str, str] = {
     "_local_scalar_dense": VALUE_READ, "item": VALUE_READ, "is_nonzero": VALUE_READ,
     "nonzero": DATA_SHAPE, "nonzero_numpy": DATA_SHAPE, "argwhere": DATA_SHAPE,
-    "masked_select": DATA_SHAPE, "unique": DATA_SHAPE, "_unique": DATA_SHAPE,
+    "masked_select": DATA_SHAPE, "_unique": DATA_SHAPE,
     "_unique2": DATA_SHAPE, "unique_dim": DATA_SHAPE, "unique_consecutive": DATA_SHAPE,
     "unique_dim_consecutive": DATA_SHAPE, "bincount": DATA_SHAPE,
     "equal": EQUAL,
@@ -76,7 +78,7 @@ def sync_kind(func, args, kwargs) -> Optional[str]:
         if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
                for i in indices):
             return DATA_SHAPE
-    if name in ("_to_copy", "to", "copy_"):
+    if name in ("_to_copy", "copy_"):
         src = args[1] if name == "copy_" else args[0]
         dst = args[0].device if name == "copy_" else kwargs.get("device")
         if isinstance(src, torch.Tensor) and dst is not None and src.device.type != "cpu" \
@@ -234,11 +236,6 @@ def same_metadata(actual, expected, device: Optional[str] = None) -> Optional[st
     return None
 
 
-def first_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {msg[:300]}"
-
-
 # ---------------------------------------------------------------------------------------------
 # The OpInfo audits: one op's samples under vmap, against the for-loop of the op.
 
@@ -351,20 +348,16 @@ def audit_fake_gpu(op, full: bool = False) -> OpAudit:
                 expected = loop(*gpu_batch)
             except Exception:                 # the op itself cannot run on a fake device
                 continue
-            res.checked += 1
             try:
-                actual = program(*gpu_batch)
+                actual, error = program(*gpu_batch), None
             except Exception as e:
                 error = first_line(e)
-            else:
-                error = None
+        if error is not None and _fails_on_cpu(program, batch):
+            continue                          # not a device matter: the OpInfo sweep reports it
+        res.checked += 1
         if error is not None:
-            if _fails_on_cpu(program, batch):
-                res.checked -= 1          # not a device matter: the OpInfo sweep reports it
-            else:
-                res.problems.append(f"{_describe(op, flat, dims, nested)}: functrans fails on "
-                                    f"the GPU where the loop runs (and on the CPU it runs): "
-                                    f"{error}")
+            res.problems.append(f"{_describe(op, flat, dims, nested)}: functrans fails on the "
+                                f"GPU where the loop runs (and on the CPU it runs): {error}")
             continue
         diff = same_metadata(actual, expected)
         if diff:
@@ -436,7 +429,7 @@ EXTRA_OPS = (
     "nn.functional.interpolate", "searchsorted", "bucketize", "sort", "topk", "kthvalue",
     "cross", "linalg.solve", "linalg.inv", "histc", "histogram", "linspace", "logspace",
     "as_strided_scatter", "diagonal_scatter", "select_scatter", "slice_scatter", "renorm",
-    "cdist", "nn.functional.grid_sample", "nn.functional.unfold", "trace", "cumsum",
+    "cdist", "nn.functional.grid_sample", "nn.functional.unfold", "trace",
 )
 
 
