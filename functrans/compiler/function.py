@@ -209,6 +209,7 @@ class CompiledFunction:
                           "It is replayed instead.", CompileWarning, stacklevel=4)
             backend = "replay"
             run = backends.build("replay", trace, tensors)
+        notes.extend(getattr(run, "notes", ()))   # what a backend chose inside (cudagraphs)
         if backend == "inductor":
             run = self._with_replay_fallback(run, trace, tensors, notes)
         gm = cast(torch.fx.GraphModule, trace.graph_module)  # an entry is made of a graph
