@@ -10,13 +10,13 @@ with its outputs, so the stored notebook shows what a reader will see.
     .venv/bin/python notebooks/build.py 01_per_sample   # the ones whose name starts so
 
 ``tests/test_notebooks.py`` re-executes the stored notebooks in CI and checks that each one
-still matches its source.
+still matches its source.  ``notebooks/run_as_script.py`` runs the sources as plain Python (no
+Jupyter needed), on a chosen device.  ``parse_source`` and ``sources`` need no Jupyter package
+(nbformat and nbclient are imported where a notebook is built or executed).
 """
 import pathlib
 import sys
 import time
-
-import nbformat
 
 HERE = pathlib.Path(__file__).resolve().parent
 SRC = HERE / "src"
@@ -47,6 +47,7 @@ def parse_source(text):
 
 
 def notebook_from_source(path):
+    import nbformat
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": KERNEL, "display_name": "Python 3", "language": "python"}
     make = {"code": nbformat.v4.new_code_cell, "markdown": nbformat.v4.new_markdown_cell}
@@ -71,6 +72,7 @@ def sources(prefixes=()):
 
 
 def main(argv):
+    import nbformat
     for src in sources(argv):
         nb = notebook_from_source(src)
         seconds = execute(nb)

@@ -22,8 +22,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def pytest_generate_tests(metafunc):
     if "device" in metafunc.fixturenames:
         params = [pytest.param("cpu", id="cpu"),
-                  pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
-                      not torch.cuda.is_available(), reason="no CUDA device"))]
+                  pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+                      not torch.cuda.is_available(), reason="no CUDA device")])]
         metafunc.parametrize("device", params)
 
 

@@ -50,3 +50,27 @@ def test_notebook_runs_top_to_bottom(src):
               if "image/png" in o.get("data", {})]
     assert images, "the plot cell drew nothing"
     assert seconds < LIMIT_S, f"{src.stem} took {seconds:.0f} s; the budget is {LIMIT_S} s"
+
+
+# notebooks/run_as_script.py: the notebooks as plain scripts (how a machine without Jupyter,
+# e.g. the GPU box, runs them: ``python notebooks/run_as_script.py --device cuda``).
+import run_as_script  # noqa: E402  (notebooks/run_as_script.py)
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
+def test_each_source_becomes_a_script_that_picks_its_device(src):
+    script = run_as_script.script_from_source(src)
+    compile(script, str(src), "exec")
+    assert "FUNCTRANS_NOTEBOOK_DEVICE" in script and "torch.cuda.is_available()" in script
+
+
+def test_the_script_runner_passes_the_device_and_fails_on_an_exception(tmp_path):
+    ok = tmp_path / "ok.py"
+    ok.write_text("# %%\nimport os\n"
+                  "assert os.environ['FUNCTRANS_NOTEBOOK_DEVICE'] == 'cpu'\n"
+                  "assert os.environ['MPLBACKEND'] == 'Agg'\n")
+    bad = tmp_path / "bad.py"
+    bad.write_text("# %%\nx = 1\n# %% [markdown]\n# text\n# %%\nraise ValueError('boom')\n")
+    assert run_as_script.run(ok, "cpu")[0] == 0
+    rc, seconds = run_as_script.run(bad, "cpu")
+    assert rc != 0 and seconds >= 0

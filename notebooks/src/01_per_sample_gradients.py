@@ -15,6 +15,7 @@
 # a DP-SGD step and a recurrent model.
 
 # %%
+import os
 import time
 
 import matplotlib.pyplot as plt
@@ -27,7 +28,10 @@ import functrans as ft
 torch.manual_seed(0)
 # One thread: the timings below then compare algorithms, not how well each one uses the cores.
 torch.set_num_threads(1)
-print("torch", torch.__version__, "| functrans", ft.__version__)
+# A GPU if there is one, else the CPU; FUNCTRANS_NOTEBOOK_DEVICE=cpu (or cuda) overrides.
+device = torch.device(os.environ.get("FUNCTRANS_NOTEBOOK_DEVICE")
+                      or ("cuda" if torch.cuda.is_available() else "cpu"))
+print("torch", torch.__version__, "| functrans", ft.__version__, "| device", device)
 
 # %% [markdown]
 # ## A model and a batch
@@ -35,9 +39,9 @@ print("torch", torch.__version__, "| functrans", ft.__version__)
 # A small MLP classifier on 64 features, and a batch of 32 examples.
 
 # %%
-model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-xs = torch.randn(32, 64)
-ys = torch.randint(0, 10, (32,))
+model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
+xs = torch.randn(32, 64, device=device)
+ys = torch.randint(0, 10, (32,), device=device)
 
 # %% [markdown]
 # ## The naive way: one backward per example
@@ -124,9 +128,10 @@ class SmallCNN(nn.Module):
         return self.fc(x.flatten(1))
 
 
-cnn = SmallCNN()
+cnn = SmallCNN().to(device)
 cnn_params = {name: p.detach() for name, p in cnn.named_parameters()}
-images, labels = torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,))
+images = torch.randn(16, 1, 28, 28, device=device)
+labels = torch.randint(0, 10, (16,), device=device)
 
 
 def cnn_loss(params, x, y):
@@ -156,9 +161,13 @@ def best_time(fn, repeats=7, number=3):
     fn()
     times = []
     for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()       # a GPU runs asynchronously: wait before each clock read
         start = time.perf_counter()
         for _ in range(number):
             fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - start) / number)
     return min(times)
 
@@ -166,7 +175,7 @@ def best_time(fn, repeats=7, number=3):
 batch_sizes = [8, 32, 128, 256]
 timings = {"loop": [], "torch.func": [], "functrans": []}
 for b in batch_sizes:
-    xb, yb = torch.randn(b, 64), torch.randint(0, 10, (b,))
+    xb, yb = torch.randn(b, 64, device=device), torch.randint(0, 10, (b,), device=device)
     timings["loop"].append(best_time(lambda: loop_per_sample_grads(model, xb, yb)))
     timings["torch.func"].append(best_time(lambda: torch_func_per_sample_grads(params, xb, yb)))
     with ft.config.strict_fallback():
@@ -186,7 +195,8 @@ ax.set_xscale("log", base=2)
 ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
 ax.set_xlabel("batch size")
 ax.set_ylabel("speedup of functrans (×)")
-ax.set_title("Per-sample gradients of an MLP, CPU, 1 thread (this machine)")
+ax.set_title("Per-sample gradients of an MLP, "
+             + ("CPU, 1 thread" if device.type == "cpu" else str(device)) + " (this machine)")
 ax.legend()
 plt.show()
 
@@ -203,7 +213,7 @@ plt.show()
 # `i` is the L2 norm over all parameters' gradients together (as DP-SGD clips it):
 
 # %%
-xb, yb = torch.randn(256, 64), torch.randint(0, 10, (256,))
+xb, yb = torch.randn(256, 64, device=device), torch.randint(0, 10, (256,), device=device)
 with ft.config.strict_fallback():
     g = per_sample_grads(params, xb, yb)
 norms = torch.cat([t.flatten(1) for t in g.values()], dim=1).norm(dim=1)   # [256]
@@ -211,7 +221,7 @@ norms = torch.cat([t.flatten(1) for t in g.values()], dim=1).norm(dim=1)   # [25
 max_norm = float(norms.median())   # DP-SGD's clipping threshold below: here the median norm
 
 plt.figure(figsize=(6, 3))
-plt.hist(norms.numpy(), bins=30)
+plt.hist(norms.cpu().numpy(), bins=30)
 plt.axvline(max_norm, color="k", ls="--", label=f"max_norm = {max_norm:.2f} (median)")
 plt.legend()
 plt.xlabel("per-example gradient norm")
@@ -230,10 +240,10 @@ plt.show()
 # optimizer can step.
 #
 # To check it, rebuild the same gradient by hand from the per-sample gradients above: clip,
-# sum, add the noise drawn from a generator with the same seed (parameter by parameter, in
-# `named_parameters()` order), divide by the batch size. The clipping threshold `max_norm` is a
-# hyperparameter; here it is the median norm from the histogram, so about half the examples
-# get clipped.
+# sum, add the noise drawn from a (CPU) generator with the same seed (parameter by parameter, in
+# `named_parameters()` order, then moved to the gradients' device), divide by the batch size.
+# The clipping threshold `max_norm` is a hyperparameter; here it is the median norm from the
+# histogram, so about half the examples get clipped.
 
 # %%
 from functrans.nn import assign_grads, dp_sgd_grads
@@ -250,7 +260,8 @@ gen = torch.Generator().manual_seed(seed)
 by_hand = {}
 for name, per_example in g.items():
     clipped_sum = (factor.view(-1, *[1] * (per_example.dim() - 1)) * per_example).sum(0)
-    noise = torch.randn(clipped_sum.shape, generator=gen) * noise_multiplier * max_norm
+    noise = torch.randn(clipped_sum.shape, generator=gen).to(device)   # drawn on the CPU
+    noise = noise * noise_multiplier * max_norm
     by_hand[name] = (clipped_sum + noise) / len(xb)
 
 torch.testing.assert_close(dp_norms, norms)
@@ -279,7 +290,8 @@ print("one DP-SGD step taken: p <- p - lr * noisy_grad")
 # checked against the loop:
 
 # %%
-seqs, targets = torch.randn(8, 6, 3), torch.randn(8, 6, 5)    # 8 sequences of length 6
+seqs = torch.randn(8, 6, 3, device=device)                   # 8 sequences of length 6
+targets = torch.randn(8, 6, 5, device=device)
 
 
 def rnn_loss_fn(rnn):
@@ -289,7 +301,8 @@ def rnn_loss_fn(rnn):
     return loss
 
 
-for rnn in (nn.GRU(input_size=3, hidden_size=5), nn.LSTM(input_size=3, hidden_size=5)):
+for rnn in (nn.GRU(input_size=3, hidden_size=5).to(device),
+            nn.LSTM(input_size=3, hidden_size=5).to(device)):
     rnn_params = {name: p.detach() for name, p in rnn.named_parameters()}
     with ft.config.strict_fallback():
         rnn_grads = ft.vmap(ft.grad(rnn_loss_fn(rnn)), in_dims=(None, 0, 0))(
@@ -310,7 +323,7 @@ for rnn in (nn.GRU(input_size=3, hidden_size=5), nn.LSTM(input_size=3, hidden_si
 # `torch.func.functional_call`, under `torch.func.vmap(torch.func.grad(...))`:
 
 # %%
-gru = nn.GRU(input_size=3, hidden_size=5)
+gru = nn.GRU(input_size=3, hidden_size=5).to(device)
 gru_params = {name: p.detach() for name, p in gru.named_parameters()}
 
 

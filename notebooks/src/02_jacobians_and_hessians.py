@@ -8,9 +8,11 @@
 # (`jvp(jvp(f))`, `jacfwd(jacfwd(f))`).
 #
 # Every result is checked with `torch.testing.assert_close` against `torch.func` or
-# `torch.autograd.functional`. Everything runs on a CPU in a few seconds.
+# `torch.autograd.functional`. Everything runs on a CPU in a few seconds (on a GPU when there is
+# one: see `device` below).
 
 # %%
+import os
 import time
 from functools import partial
 
@@ -24,6 +26,17 @@ from functrans import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 torch.manual_seed(0)
 torch.set_num_threads(1)   # one thread: timings below are steadier and comparable between runs
+# A GPU if there is one, else the CPU; FUNCTRANS_NOTEBOOK_DEVICE=cpu (or cuda) overrides.
+device = torch.device(os.environ.get("FUNCTRANS_NOTEBOOK_DEVICE")
+                      or ("cuda" if torch.cuda.is_available() else "cpu"))
+print("device:", device)
+
+
+def sync():
+    """Wait for the work queued on a GPU (nothing to wait for on the CPU): the timings below
+    read the clock only after it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def median_time(fn, repeats=5):
@@ -31,8 +44,10 @@ def median_time(fn, repeats=5):
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
@@ -44,9 +59,9 @@ def median_time(fn, repeats=5):
 
 # %%
 D = 16
-weight = torch.randn(D, D)
-bias = torch.randn(D)
-x = torch.randn(D)
+weight = torch.randn(D, D, device=device)
+bias = torch.randn(D, device=device)
+x = torch.randn(D, device=device)
 
 
 def predict(weight, bias, x):
@@ -66,7 +81,7 @@ reference.shape
 
 # %%
 _, vjp_fn = vjp(partial(predict, weight, bias), x)
-unit_vectors = torch.eye(D)
+unit_vectors = torch.eye(D, device=device)
 
 jac_loop = torch.stack([vjp_fn(e)[0] for e in unit_vectors])
 assert_close(jac_loop, reference)
@@ -111,10 +126,11 @@ sizes = [16, 64, 256]
 timings = {"row loop": [], "vmap(vjp_fn)": [], "jacrev": [], "compiled jacrev": []}
 jacrev_compiled = ft.compile(jacrev(predict, argnums=2))
 for d in sizes:
-    w, b, xd = torch.randn(d, d), torch.randn(d), torch.randn(d)
+    w = torch.randn(d, d, device=device)
+    b, xd = torch.randn(d, device=device), torch.randn(d, device=device)
     ref = torch.func.jacrev(predict, argnums=2)(w, b, xd)
     _, fn = vjp(partial(predict, w, b), xd)
-    eye = torch.eye(d)
+    eye = torch.eye(d, device=device)
     routes = {
         "row loop": lambda: torch.stack([fn(e)[0] for e in eye]),
         "vmap(vjp_fn)": lambda: vmap(fn)(eye)[0],
@@ -138,7 +154,8 @@ ax.set_xticks(sizes, [str(d) for d in sizes])
 ax.set_yscale("log")
 ax.set_xlabel("D (Jacobian is D x D)")
 ax.set_ylabel("median time [ms]")
-ax.set_title("Jacobian of tanh(Wx + b), one CPU thread")
+ax.set_title("Jacobian of tanh(Wx + b), "
+             + ("one CPU thread" if device.type == "cpu" else str(device)))
 ax.legend()
 plt.show()
 
@@ -161,13 +178,13 @@ plt.show()
 
 # %%
 def make_f(n, m):
-    A = torch.randn(m, n) / n ** 0.5
+    A = torch.randn(m, n, device=device) / n ** 0.5
     return lambda v: torch.tanh(A @ v)
 
 
 rows = []
 for kind, n, m in [("wide", 2048, 4), ("tall", 4, 2048)]:
-    f, v = make_f(n, m), torch.randn(n)
+    f, v = make_f(n, m), torch.randn(n, device=device)
     assert_close(jacrev(f)(v), torch.func.jacrev(f)(v))
     assert_close(jacfwd(f)(v), torch.func.jacrev(f)(v))
     t_rev = median_time(lambda: jacrev(f)(v))
@@ -200,7 +217,7 @@ assert_close(fwd_b, ref_b)
 # mapping only `x` (`in_dims=(None, None, 0)`: the weights are shared).
 
 # %%
-xs = torch.randn(8, D)
+xs = torch.randn(8, D, device=device)
 batched = vmap(jacrev(predict, argnums=2), in_dims=(None, None, 0))(weight, bias, xs)
 print(batched.shape)                      # [batch, D, D]
 
@@ -237,10 +254,10 @@ def hvp(v_dir):
     return jvp(grad(energy), (x,), (v_dir,))[1]
 
 
-v = torch.randn(D)
+v = torch.randn(D, device=device)
 assert_close(hvp(v), H @ v)
 
-vs = torch.randn(5, D)
+vs = torch.randn(5, D, device=device)
 assert_close(vmap(hvp)(vs), vs @ H.T)      # five HVPs in one call
 
 # %% [markdown]
@@ -309,7 +326,7 @@ except RuntimeError as e:
 # `torch.func`:
 
 # %%
-u, w_dir = torch.randn(D), torch.randn(D)
+u, w_dir = torch.randn(D, device=device), torch.randn(D, device=device)
 
 
 def directional(v):                      # d energy(v) [u]

@@ -14,6 +14,7 @@
 
 # %%
 import copy
+import os
 import time
 
 import matplotlib.pyplot as plt
@@ -26,6 +27,17 @@ import functrans as ft
 torch.manual_seed(0)
 # One thread: the timings below then compare algorithms, not how well each one uses the cores.
 torch.set_num_threads(1)
+# A GPU if there is one, else the CPU; FUNCTRANS_NOTEBOOK_DEVICE=cpu (or cuda) overrides.
+device = torch.device(os.environ.get("FUNCTRANS_NOTEBOOK_DEVICE")
+                      or ("cuda" if torch.cuda.is_available() else "cpu"))
+print("device:", device)
+
+
+def sync():
+    """Wait for the work queued on a GPU (nothing to wait for on the CPU): the timings below
+    read the clock only after it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 print("torch", torch.__version__, "| functrans", ft.__version__)
 
 # %% [markdown]
@@ -35,7 +47,7 @@ print("torch", torch.__version__, "| functrans", ft.__version__)
 
 # %%
 def make_model():
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10))
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10)).to(device)
 
 
 num_models = 4
@@ -72,7 +84,7 @@ def fmodel(params, buffers, x):              # ONE model: params of one member
 # the whole (unmapped) minibatch `x`. The output gets a leading member dim.
 
 # %%
-x = torch.randn(64, 16)                      # one minibatch of 64 examples
+x = torch.randn(64, 16, device=device)                      # one minibatch of 64 examples
 
 with ft.config.strict_fallback():            # raises if an op would run on the slow loop
     out_shared = ft.vmap(fmodel, in_dims=(0, 0, None))(params, buffers, x)
@@ -90,7 +102,7 @@ print("vmap over the stacked models == each model run separately")
 # or for training each member on its own shuffle of the data).
 
 # %%
-xs = torch.randn(num_models, 64, 16)         # minibatch i is for model i
+xs = torch.randn(num_models, 64, 16, device=device)         # minibatch i is for model i
 
 with ft.config.strict_fallback():
     out_own = ft.vmap(fmodel, in_dims=(0, 0, 0))(params, buffers, xs)
@@ -136,7 +148,8 @@ ens_opt = torch.optim.Adam(ens.parameters(), lr=1e-2)
 separate = [copy.deepcopy(m) for m in models]              # reference: 4 independent runs
 separate_opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in separate]
 
-data = [(torch.randn(num_models, 32, 16), torch.randint(0, 10, (num_models, 32)))
+data = [(torch.randn(num_models, 32, 16, device=device),
+         torch.randint(0, 10, (num_models, 32), device=device))
         for _ in range(3)]
 for step, (xb, yb) in enumerate(data):
     # all members at once: one forward, one backward, one optimizer step
@@ -184,9 +197,9 @@ print(type(member_2).__name__, "member 2 == separately trained model 2")
 #
 # Each number is the best of 7 runs (each the mean of 3 calls) after a warm-up; as `timeit`
 # recommends, slower runs only measure interference from other processes. These are tiny
-# models on a CPU with one thread, where the cost per step is mostly per-kernel overhead: this
-# is exactly what batching the members removes. How much is gained depends on that share:
-# try a wider `make_model` to see the picture change when the arithmetic dominates.
+# models (on a CPU with one thread, or on a GPU), where the cost per step is mostly per-kernel
+# overhead: this is exactly what batching the members removes. How much is gained depends on
+# that share: try a wider `make_model` to see the picture change when the arithmetic dominates.
 
 # %%
 def best_time(fn, repeats=7, number=3):
@@ -194,14 +207,16 @@ def best_time(fn, repeats=7, number=3):
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         for _ in range(number):
             fn()
+        sync()
         times.append((time.perf_counter() - start) / number)
     return min(times)
 
 
-x_shared, y_shared = torch.randn(64, 16), torch.randint(0, 10, (64,))
+x_shared, y_shared = torch.randn(64, 16, device=device), torch.randint(0, 10, (64,), device=device)
 
 
 def ensemble_loss(out):                                    # out: [N, 64, 10] -> summed losses
@@ -262,7 +277,8 @@ ax.set_xscale("log", base=2)
 ax.set_xticks(member_counts, [str(n) for n in member_counts])
 ax.set_xlabel("number of models")
 ax.set_ylabel("ms per training step")
-ax.set_title("Training N small MLPs, CPU, 1 thread (this machine)")
+ax.set_title("Training N small MLPs, "
+             + ("CPU, 1 thread" if device.type == "cpu" else str(device)) + " (this machine)")
 ax.legend()
 plt.show()
 
@@ -281,12 +297,13 @@ plt.show()
 
 # %%
 def make_bn_model():
-    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                         nn.Linear(32, 10)).to(device)
 
 
 bn_models = [make_bn_model() for _ in range(num_models)]
 bn_ens = ft.Ensemble(bn_models)                   # stacks running_mean / running_var too
-xb = torch.randn(num_models, 8, 16)
+xb = torch.randn(num_models, 8, 16, device=device)
 with ft.config.strict_fallback():
     out = bn_ens(xb, shared=False)
 expected = torch.stack([m(xi) for m, xi in zip(bn_models, xb)])   # updates each model's stats

@@ -18,6 +18,7 @@
 # %%
 import collections
 import contextlib
+import os
 import time
 import warnings
 
@@ -32,6 +33,17 @@ from functrans.batching.batched_tensor import BatchedTensor
 
 torch.manual_seed(0)
 torch.set_num_threads(1)   # one thread: the timings below are steadier between runs
+# A GPU if there is one, else the CPU; FUNCTRANS_NOTEBOOK_DEVICE=cpu (or cuda) overrides.
+device = torch.device(os.environ.get("FUNCTRANS_NOTEBOOK_DEVICE")
+                      or ("cuda" if torch.cuda.is_available() else "cpu"))
+print("device:", device)
+
+
+def sync():
+    """Wait for the work queued on a GPU (nothing to wait for on the CPU): the timings below
+    read the clock only after it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 # %% [markdown]
 # ## 1. Levels
@@ -62,7 +74,7 @@ def f(x):
     return x.sin()
 
 
-data = torch.randn(3, 4, 5)
+data = torch.randn(3, 4, 5, device=device)
 out = vmap(vmap(f), in_dims=1)(data)      # outer vmap maps dim 1 (size 4), inner dim 0 (size 3)
 print("result:", tuple(out.shape), "| stack after:", _levels.stack())
 assert_close(out, data.sin().transpose(0, 1))
@@ -83,7 +95,7 @@ def loss(x):
     return (x ** 2).sum()
 
 
-per_example_grads = vmap(ft.grad(loss))(torch.randn(2, 3))
+per_example_grads = vmap(ft.grad(loss))(torch.randn(2, 3, device=device))
 
 # %% [markdown]
 # A popped level is marked dead. A `BatchedTensor` that escapes its `vmap` (here through a
@@ -99,7 +111,7 @@ def leaky(x):
     return x * 2
 
 
-vmap(leaky)(torch.randn(3, 2))
+vmap(leaky)(torch.randn(3, 2, device=device))
 print(leaked[0].level)
 try:
     leaked[0] + 1
@@ -164,8 +176,8 @@ class PhysicalOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-W, b = torch.randn(4, 3), torch.randn(4)
-xs = torch.randn(2, 5, 3)
+W, b = torch.randn(4, 3, device=device), torch.randn(4, device=device)
+xs = torch.randn(2, 5, 3, device=device)
 
 with logical_ops() as logical, PhysicalOps() as physical:
     out = vmap(vmap(lambda x: F.linear(x, W, b).tanh()))(xs)
@@ -236,7 +248,7 @@ def _(x, limit):
 
 
 softclip_op = torch.ops.nbdemo.softclip.default
-batch = torch.randn(32, 10, 8)                 # 32 examples, each 10 rows of 8
+batch = torch.randn(32, 10, 8, device=device)   # 32 examples, each 10 rows of 8
 oracle = torch.stack([softclip(example, 2.0) for example in batch])   # the for-loop oracle
 print("coverage:", ft.batching_coverage(softclip_op))
 
@@ -279,14 +291,16 @@ def median_time(fn, repeats=5):
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
 batch_sizes = [8, 32, 128, 512]
-inputs = {B: torch.randn(B, 10, 8) for B in batch_sizes}
+inputs = {B: torch.randn(B, 10, 8, device=device) for B in batch_sizes}
 ft.config.warn_on_fallback = False
 loop_times = [median_time(lambda: vmap(clip_example)(inputs[B])) for B in batch_sizes]
 ft.config.warn_on_fallback = True
@@ -348,7 +362,7 @@ assert_close(nested, torch.stack([torch.stack([softclip(batch[i, j], 2.0) for i 
 # And the declined case (0-d examples) falls back to the loop and is still right:
 
 # %%
-scalars = torch.randn(6)
+scalars = torch.randn(6, device=device)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     with ft.record_fallbacks() as report:
@@ -374,7 +388,8 @@ ax.set_yscale("log")
 ax.set_xticks(batch_sizes, [str(B) for B in batch_sizes])
 ax.set_xlabel("batch size")
 ax.set_ylabel("median time [ms]")
-ax.set_title("vmap(softclip) on [B, 10, 8], one CPU thread")
+ax.set_title("vmap(softclip) on [B, 10, 8], "
+             + ("one CPU thread" if device.type == "cpu" else str(device)))
 ax.legend()
 plt.show()
 
@@ -393,7 +408,7 @@ def summary(x):
     return torch.histogram(x, bins=4).hist
 
 
-samples = torch.randn(16, 100)
+samples = torch.randn(16, 100)   # on the CPU: torch.histogram has no CUDA kernel
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     with ft.record_fallbacks() as report:

@@ -4,24 +4,30 @@ The default run covers the fast subset (``opinfo_sweep.FAST_OPS``: pointwise, re
 matmul; a few samples and in_dims choices per op).  The whole of ``op_db`` (every in_dims choice,
 vmap of vmap) runs under the ``sweep`` marker: ``pytest -m sweep tests/batching/test_opinfo_sweep.py``.
 An op fails on any wrong value, and on a functrans error where torch.vmap passes the same check
-(unless ``opinfo_sweep.XFAILS`` explains it).  See tests/support/opinfo_sweep.py for the outcomes.
+(unless ``opinfo_sweep.XFAILS`` explains it).  See tests/support/opinfo_sweep.py for the
+outcomes.
+
+``test_op_on_cuda`` (marker ``cuda``) runs the same fast subset with the samples, the batches,
+the loop oracle and both vmaps on the CUDA device, judged by the same ``_check``; without CUDA
+every item skips with one reason.  ``pytest -m cuda tests/batching/test_opinfo_sweep.py``.
 """
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.support import opinfo_sweep as sweep
 
 FAST = sweep.select_ops(full=False)
 ALL = sweep.select_ops(full=True)
 
-_results = {}  # (full, op id) -> OpResult, shared by the per-op items and the report
+_results = {}  # (full, op id, device) -> OpResult, shared by the per-op items and the report
 
 
-def _result(op, full: bool) -> sweep.OpResult:
-    key = (full, sweep.op_id(op))
+def _result(op, full: bool, device: str = "cpu") -> sweep.OpResult:
+    key = (full, sweep.op_id(op), device)
     if key not in _results:
-        _results[key] = sweep.sweep_op(op, full=full)
+        _results[key] = sweep.sweep_op(op, full=full, device=device)
     return _results[key]
 
 
@@ -40,6 +46,52 @@ def _check(res: sweep.OpResult) -> None:
 @pytest.mark.parametrize("op", FAST, ids=sweep.op_id)
 def test_op(op):
     _check(_result(op, full=False))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("op", FAST, ids=sweep.op_id)
+def test_op_on_cuda(op):
+    _check(_result(op, full=False, device="cuda"))
+
+
+def test_batches_are_drawn_alike_on_every_device():
+    """The examples of a batch are drawn on the CPU from seeded generators and then moved, so
+    a device sweep sees the CPU sweep's numbers ("meta" stands in for a device here)."""
+    import itertools
+    x = torch.randn(2, 3)
+    cpu = sweep.build_batch(x, [0, -1], [3, 2], None, itertools.count())
+    again = sweep.build_batch(x, [0, -1], [3, 2], None, itertools.count(), "cpu")
+    meta = sweep.build_batch(x, [0, -1], [3, 2], None, itertools.count(), "meta")
+    assert torch.equal(cpu, again) and cpu.shape == (3, 2, 3, 2)
+    assert meta.device.type == "meta" and meta.shape == cpu.shape
+    assert len({tuple(cpu[i, ..., j].flatten().tolist()) for i in range(3) for j in range(2)}) \
+        == 6, "the examples of a batch differ"
+
+
+def test_skip_reason_asks_about_the_device():
+    cholesky = next(op for op in sweep.all_ops() if op.name == "cholesky")
+    cpu_only = next((op for op in sweep.all_ops()
+                     if torch.float32 in op.supported_dtypes("cpu")
+                     and torch.float32 not in op.supported_dtypes("cuda")), None)
+    assert sweep.skip_reason(cholesky, "cuda") is None
+    if cpu_only is not None:
+        assert sweep.skip_reason(cpu_only, "cpu") != "no float32 support"
+        assert sweep.skip_reason(cpu_only, "cuda") == "no float32 support"
+
+
+def test_the_cpu_sweep_is_the_default_sweep():
+    """``device="cpu"`` is the default: the same checks, outcomes and details."""
+    op = next(op for op in FAST if op.name == "addmm")
+    a, b = _result(op, full=False), sweep.sweep_op(op, full=False, device="cpu")
+    assert [(c.sample, c.in_dims, c.nested, c.impl, c.outcome, c.detail) for c in a.checks] \
+        == [(c.sample, c.in_dims, c.nested, c.impl, c.outcome, c.detail) for c in b.checks]
+    assert a.checks
+
+
+def test_compare_reports_an_output_on_another_device():
+    x = torch.ones(2)
+    assert sweep.compare(x.to("meta"), x) == "output 0: device meta != cpu"
 
 
 def test_report():

@@ -23,7 +23,14 @@ performance warning, / ``error`` / ``wrong``), so the report shows both side by 
 
 ``XFAILS`` lists understood errors (never a wrong value without the lead's OK).
 
-Run ``python -m tests.support.opinfo_sweep [--full] [--ops a,b] [--report FILE]`` for a report.
+On a device (``device="cuda"``; ``--device cuda`` on the command line) OpInfo builds the samples
+there (after ``torch.manual_seed(0)``, which seeds every device), every example of a batch is
+drawn on the CPU from a seeded generator and moved there, and the oracle, functrans and
+torch.vmap all run there; TF32 is off for the sweep (``precise_device``) so the float32
+tolerances hold.  An output on another device than the oracle's is ``wrong``.
+
+Run ``python -m tests.support.opinfo_sweep [--full] [--ops a,b] [--device cuda] [--report FILE]``
+for a report.
 """
 from __future__ import annotations
 
@@ -113,7 +120,7 @@ def _sort_last(x: torch.Tensor) -> torch.Tensor:
 
 def _positive_definite(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1]
-    return x @ x.mT + n * torch.eye(n, dtype=x.dtype)
+    return x @ x.mT + n * torch.eye(n, dtype=x.dtype, device=x.device)
 
 
 def _probability(x: torch.Tensor) -> torch.Tensor:
@@ -150,9 +157,9 @@ def select_ops(full: bool, names: Optional[Sequence[str]] = None):
     return [op for op in ops if op.name in FAST_OPS]
 
 
-def skip_reason(op) -> Optional[str]:
-    """Why an op is skipped as a whole, or None."""
-    if torch.float32 not in op.supported_dtypes("cpu"):
+def skip_reason(op, device="cpu") -> Optional[str]:
+    """Why an op is skipped as a whole (on ``device``), or None."""
+    if torch.float32 not in op.supported_dtypes(torch.device(device).type):
         return "no float32 support"
     name = op.name.lower()
     if any(w in name for w in _RANDOM_WORDS):
@@ -199,21 +206,25 @@ def flatten_sample(op, sample) -> Tuple[Optional[FlatSample], Optional[str]]:
     return FlatSample([leaves[i].detach() for i in pos], call), None
 
 
-def draw(x: torch.Tensor, seed: int, fix) -> torch.Tensor:
-    """Example number ``seed`` drawn from ``x`` (0 is ``x`` itself), fixed into the domain."""
+def draw(x: torch.Tensor, seed: int, fix, device=None) -> torch.Tensor:
+    """Example number ``seed`` drawn from ``x`` (0 is ``x`` itself), fixed into the domain, on
+    ``device`` (default: ``x``'s).  The random part is drawn on the CPU from a generator seeded
+    by ``seed`` (``perturb_like``), so every device gets the same numbers."""
     e = x.detach().clone() if seed == 0 else perturb_like(x, seed)
+    if device is not None:
+        e = e.to(device)
     return fix(e) if fix is not None else e
 
 
 def build_batch(x: torch.Tensor, dims: Sequence[int], sizes: Sequence[int], fix,
-                seeds) -> torch.Tensor:
+                seeds, device=None) -> torch.Tensor:
     """Stack independently drawn examples (numbers from the iterator ``seeds``) at ``dims``,
-    with ``sizes`` examples per level, innermost level first."""
+    with ``sizes`` examples per level, innermost level first, on ``device`` (default: ``x``'s)."""
     if not dims:
-        return draw(x, next(seeds), fix)
+        return draw(x, next(seeds), fix, device)
     *inner, d = dims
     *inner_sizes, n = sizes
-    items = [build_batch(x, inner, inner_sizes, fix, seeds) for _ in range(n)]
+    items = [build_batch(x, inner, inner_sizes, fix, seeds, device) for _ in range(n)]
     return torch.stack(items, d % (items[0].dim() + 1))
 
 
@@ -284,6 +295,8 @@ def compare(actual, expected) -> Optional[str]:
                 return f"output {k}: shape {tuple(a.shape)} != {tuple(e.shape)}"
             if a.dtype != e.dtype:
                 return f"output {k}: dtype {a.dtype} != {e.dtype}"
+            if a.device != e.device:
+                return f"output {k}: device {a.device} != {e.device}"
             try:
                 torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL * _scale(e),
                                            equal_nan=True)
@@ -378,14 +391,15 @@ def run_torch(call, in_dims, nested, batched, expected,
 
 
 def run_check(op, k, flat: FlatSample, dims: tuple, nested: bool,
-              with_torch: bool) -> List[Check]:
+              with_torch: bool, device="cpu") -> List[Check]:
     fixes = DOMAIN.get(op.name, {})
     levels = 2 if nested else 1
     sizes = [SIZE, OUTER_SIZE][:levels]
     batched = []
     for j, (t, d) in enumerate(zip(flat.tensors, dims)):
         batched.append(t if d is None else
-                       build_batch(t, [d] * levels, sizes, fixes.get(j), itertools.count()))
+                       build_batch(t, [d] * levels, sizes, fixes.get(j), itertools.count(),
+                                   device))
     base = dict(op=op_id(op), sample=k, shapes=[tuple(t.shape) for t in flat.tensors],
                 in_dims=dims, nested=nested)
     example_call = flat.call
@@ -476,16 +490,36 @@ def _is_deterministic_or_fails(flat: FlatSample) -> bool:
         return True
 
 
-def sweep_op(op, *, full: bool, with_torch: bool = True) -> OpResult:
-    """Every check of one op (the ops' own warnings are silenced)."""
-    with warnings.catch_warnings():
+@contextlib.contextmanager
+def precise_device(device="cpu"):
+    """float32 kept float32 on a CUDA device: no TF32 in cuBLAS matmuls or cuDNN convolutions
+    (restored on exit); nothing to do elsewhere.  cuDNN's flags go through
+    ``torch.backends.cudnn.flags``: once torch.testing's internals are imported (op_db), setting
+    them directly raises."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark,
+                         deterministic=cudnn.deterministic, allow_tf32=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def sweep_op(op, *, full: bool, with_torch: bool = True, device="cpu") -> OpResult:
+    """Every check of one op on ``device`` (the ops' own warnings are silenced)."""
+    with warnings.catch_warnings(), precise_device(device):
         warnings.simplefilter("ignore")
-        return _sweep_op(op, full, with_torch)
+        return _sweep_op(op, full, with_torch, str(device))
 
 
-def _sweep_op(op, full: bool, with_torch: bool) -> OpResult:
+def _sweep_op(op, full: bool, with_torch: bool, device="cpu") -> OpResult:
     res = OpResult(op_id(op))
-    res.skipped = skip_reason(op)
+    res.skipped = skip_reason(op, device)
     if res.skipped:
         return res
     n_samples = FULL_SAMPLES if full else FAST_SAMPLES
@@ -494,7 +528,7 @@ def _sweep_op(op, full: bool, with_torch: bool) -> OpResult:
     reasons = collections.Counter()
     flats = []
     try:
-        samples = op.sample_inputs("cpu", torch.float32, requires_grad=False)
+        samples = op.sample_inputs(device, torch.float32, requires_grad=False)
         for sample in samples:
             flat, why = flatten_sample(op, sample)
             if flat is None:
@@ -529,11 +563,11 @@ def _sweep_op(op, full: bool, with_torch: bool) -> OpResult:
     for k, flat in enumerate(flats):
         choices = choices_for(len(flat.tensors), cap, salt=k)
         for c, dims in enumerate(choices):
-            res.checks += run_check(op, k, flat, dims, False, with_torch)
+            res.checks += run_check(op, k, flat, dims, False, with_torch, device)
             # vmap of vmap: every choice in the full sweep, the first two of each sample in
             # the fast subset.
             if full or c < 2:
-                res.checks += run_check(op, k, flat, dims, True, with_torch)
+                res.checks += run_check(op, k, flat, dims, True, with_torch, device)
     return res
 
 
@@ -564,11 +598,12 @@ def describe(c: Check) -> str:
 # ---------------------------------------------------------------------------------------------
 # The report.
 
-def sweep(ops, *, full: bool, with_torch: bool = True, progress=None) -> List[OpResult]:
+def sweep(ops, *, full: bool, with_torch: bool = True, progress=None,
+          device="cpu") -> List[OpResult]:
     out = []
     for op in ops:
         t0 = time.perf_counter()
-        out.append(sweep_op(op, full=full, with_torch=with_torch))
+        out.append(sweep_op(op, full=full, with_torch=with_torch, device=device))
         if progress:
             progress(out[-1], time.perf_counter() - t0)
     return out
@@ -603,7 +638,8 @@ def check_table(rows: Dict[str, Dict[str, collections.Counter]]) -> List[str]:
     return lines
 
 
-def report(results: List[OpResult], seconds: Optional[float] = None) -> str:
+def report(results: List[OpResult], seconds: Optional[float] = None,
+           device: Optional[str] = None) -> str:
     lines = []
     ft = collections.Counter(r.outcome("functrans") for r in results)
     tv = collections.Counter(r.outcome("torch.vmap") for r in results)
@@ -612,6 +648,8 @@ def report(results: List[OpResult], seconds: Optional[float] = None) -> str:
     checks_tv = collections.Counter(c.outcome for r in results for c in r.checks
                                     if c.impl == "torch.vmap")
     head = f"OpInfo sweep: {len(results)} ops"
+    if device is not None:
+        head += f" on {device}"
     if seconds is not None:
         head += f" in {seconds:.0f} s"
     lines += [head, "", f"{'outcome':<16}{'functrans ops':>14}{'torch.vmap ops':>16}"
@@ -685,8 +723,12 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default="", help="comma-separated op names (OpInfo name or id)")
     p.add_argument("--report", default="", help="also write the report to this file")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.vmap column")
+    p.add_argument("--device", default="cpu", help="where the samples and batches live and "
+                   "everything runs (cpu, cuda, cuda:1, ...)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each op as it finishes")
     a = p.parse_args(argv)
+    if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: torch.cuda.is_available() is False")
     names = [n for n in a.ops.split(",") if n]
     ops = select_ops(a.full, names)
 
@@ -698,8 +740,8 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     results = sweep(ops, full=a.full or bool(names), with_torch=not a.no_torch,
-                    progress=progress)
-    text = report(results, time.perf_counter() - t0)
+                    progress=progress, device=a.device)
+    text = report(results, time.perf_counter() - t0, device=a.device)
     print(text)
     if a.report:
         with open(a.report, "w") as f:
