@@ -534,7 +534,10 @@ def run_row(w: GpuWorkload, device, rounds: int, sample_s: float, smoke: bool,
             if not met:
                 for name in pair:
                     if name in cells and name not in result["profiles"]:
-                        result["profiles"][name] = _profile(cells[name]["fn"], device)
+                        try:
+                            result["profiles"][name] = _profile(cells[name]["fn"], device)
+                        except Exception as e:      # a profile is a report, not the row
+                            result["profiles"][name] = {"error": _why(e)}
         result["timing_s"] = time.perf_counter() - t0
     return result
 

@@ -70,9 +70,10 @@ if has notebooks; then
   nb_pid=$!
 fi
 if has tests; then
+  FUNCTRANS_CUDA_IDS="$OUT/cuda_ids.txt" \
   step tests "${TESTS_LIMIT:-200}" "$PY" -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-12}" \
       --timeout 150 -rfEx --junitxml "$OUT/junit.xml" ${TESTS_ARGS:-}
-  "$PY" scripts/junit_counts.py "$OUT/junit.xml" | tee -a "$OUT/summary.txt"
+  "$PY" scripts/junit_counts.py "$OUT/junit.xml" "$OUT/cuda_ids.txt" | tee -a "$OUT/summary.txt"
 fi
 [ -n "$nb_pid" ] && wait "$nb_pid"
 if has bench; then

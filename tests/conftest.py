@@ -27,6 +27,18 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("device", params)
 
 
+def pytest_collection_modifyitems(config, items):
+    """With FUNCTRANS_CUDA_IDS=FILE, write the ids of the tests marked ``cuda`` there (one per
+    line; under xdist, the first worker writes): scripts/junit_counts.py counts them apart."""
+    import os
+    path = os.environ.get("FUNCTRANS_CUDA_IDS")
+    worker = getattr(config, "workerinput", {}).get("workerid", "gw0")
+    if path and worker == "gw0":
+        with open(path, "w") as fh:
+            fh.writelines(item.nodeid + "\n" for item in items
+                          if item.get_closest_marker("cuda") is not None)
+
+
 # ---------------------------------------------------------------------------------------------
 # Registry hygiene: every built-in batching rule must run somewhere in the default test run.
 # At session start every registered rule is wrapped with a counter (the registry's cache is
