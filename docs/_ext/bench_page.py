@@ -9,7 +9,9 @@ docs/_generated/ (git-ignored, included by docs/benchmarks.md):
   medium / large, from benchmarks/workloads.py) added;
 * ``bench_compiled_table.md``: the compiled table and the line the README puts above it;
 * ``bench_eager.png``: functrans / torch.func per row, grouped by tier, with the tier's target;
-* ``bench_compiled.png``: functrans.compile (replay, inductor) / torch.func eager per row.
+* ``bench_compiled.png``: functrans.compile (replay, inductor) / torch.func eager per row;
+* ``bench_gpu.md``: the GPU tables between ``<!-- bench:gpu:start -->`` and
+  ``<!-- bench:gpu:end -->`` (``python -m benchmarks.gpu --update-readme``), as they stand.
 
 Nothing is typed by hand: if the README's tables cannot be parsed (markers missing, a column
 renamed, a row whose workload is unknown), the build stops with a message saying what and where.
@@ -190,6 +192,17 @@ def generate(out: Path, readme: Path = README) -> None:
               ["functrans.compile replay", "functrans.compile inductor"],
               "Compiled: functrans.compile / torch.func eager per row", {})
     _write(out / "bench_compiled_table.md", before + "\n\n" + _md_table(chead, crows))
+    _write(out / "bench_gpu.md", gpu_section(readme.read_text(encoding="utf-8")))
+
+
+def gpu_section(text: str) -> str:
+    """The README's GPU tables (``python -m benchmarks.gpu --update-readme`` writes them between
+    the bench:gpu markers), as they stand; a line saying so when there is none."""
+    start, end = "<!-- bench:gpu:start -->", "<!-- bench:gpu:end -->"
+    if start not in text or end not in text:
+        raise _fail(f"the markers {start} / {end} are missing")
+    section = text.split(start, 1)[1].split(end, 1)[0].strip()
+    return section or "*No GPU run has been recorded yet.*"
 
 
 def _write(path: Path, text: str) -> None:
