@@ -76,11 +76,22 @@ def _top_level(args):
     return level if level is not None and level.alive else None
 
 
+def _saves_inputs_only(cls) -> bool:
+    """``torch.utils.checkpoint``'s ``_NoopSaveInputs`` (torch 2.11; later torches save the
+    checkpoint's inputs on the frame, with no Function): its forward reads no value (it returns
+    a fresh ``torch.empty((0,))``), its backward is never run, and its ``setup_context`` only
+    saves the inputs for the recomputation.  Under vmap it is applied to the wrappers as they
+    are, so the recomputation sees the same batched inputs as the forward (what later torches'
+    ``_CheckpointFrame.save_inputs`` does with the wrappers)."""
+    return cls.__name__ == "_NoopSaveInputs" and cls.__module__ == "torch.utils.checkpoint"
+
+
 def _apply(cls, *args, **kwargs):
     """``torch.autograd.Function.apply`` while functrans is imported (see the module docstring)."""
     if args:
         level = _top_level(args)
-        if level is not None and cls.setup_context is not _base_setup_context:
+        if level is not None and cls.setup_context is not _base_setup_context \
+                and not _saves_inputs_only(cls):
             return _apply_under_vmap(cls, level, args, kwargs)
     return _original_apply_fn(cls, *args, **kwargs)
 

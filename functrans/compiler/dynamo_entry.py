@@ -62,6 +62,7 @@ Imports: nothing (torch only; the transforms import this module).
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import types
 from typing import Any, Callable
@@ -89,13 +90,30 @@ pytree.register_pytree_node(_Static, lambda s: (list(s.leaves), s.fn),
                             lambda leaves, fn: _Static(fn, tuple(leaves)))
 
 
+def _compile_session() -> bool:
+    """Whether a Dynamo compile is in progress on this thread, asked from code Dynamo runs for
+    real during its trace (``active``).  torch 2.11's ``torch.compiler.is_compiling()`` is True
+    only in code Dynamo traces (it has no ``_compile_session_context``, which later torches
+    hold around the whole compile), so there the compile is read from Dynamo's compile
+    context: set for the duration of a compile, never while compiled code runs."""
+    if torch.compiler.is_compiling():
+        return True
+    guards = sys.modules.get("torch._guards")
+    return guards is not None and guards.CompileContext.try_get() is not None
+
+
+# torch.compiler.is_compiling() itself where it is True for the whole compile session.
+_compiling: Callable[[], bool] = torch.compiler.is_compiling \
+    if hasattr(torch.compiler, "_compile_session_context") else _compile_session
+
+
 def active() -> bool:
     """True when a transform wrapper should route its call here (see the module docstring).
 
     In a Dynamo trace this function runs for real, its answer a constant of the trace
     (``assume_constant_result``, set below by its attribute), which also makes the entry there:
     Dynamo then reads it as a global of this module, guarded by identity."""
-    if not torch.compiler.is_compiling() or getattr(_tls, "inside", False):
+    if not _compiling() or getattr(_tls, "inside", False):
         return False
     if not _ENTRY:
         _make_entry()

@@ -147,12 +147,23 @@ def test_a_view_of_an_input_has_the_input_as_base(name, in_dim, out_dim):
                                      out_dim=out_dim))
         return
     got = ft.vmap(f, in_dims=in_dim, out_dims=out_dim)(x)
-    ref = torch.func.vmap(f, in_dims=in_dim, out_dims=out_dim)(x)
-    assert_same(got, ref)
+    base = x if x._base is None else x._base
+    try:
+        ref = torch.func.vmap(f, in_dims=in_dim, out_dims=out_dim)(x)
+    except RuntimeError as e:
+        # torch 2.11's torch.func has no batching rule for view.dtype (torch 2.13's has, and
+        # its fallback refuses view ops): functrans is held to eager's answer alone, whether
+        # the view of an example has the (root) input as its base.
+        assert "Batching rule not implemented" in str(e) and name == "view_dtype", e
+        ref = None
     assert_same(got, loop_oracle(f, [in_dim], 5, x, out_dim=out_dim))
+    if ref is None:
+        eager_base = f(x.select(in_dim, 0))._base
+        assert (got._base is base) == (eager_base is base), (got._base, eager_base)
+        return
+    assert_same(got, ref)
     # eager: a view of an example has the (root) input as its base; torch.func agrees unless
     # the op copies (to(complex) above)
-    base = x if x._base is None else x._base
     assert (got._base is base) == (ref._base is base), (got._base, ref._base)
     # the view shares the input's storage and version counter, as torch.func's does
     if ref._base is base:

@@ -251,6 +251,16 @@ class OpAudit:
     problems: List[str] = dataclasses.field(default_factory=list)
 
 
+# Samples the audits pass over, by op.  histc with min == max takes its range from the data:
+# eager's kernel reads it on the host too (CUDA's histc copies min()/max() to the CPU inside the
+# kernel, below the recorder), and so does the rule (a range that is not finite is eager's
+# error), so the audits check the samples with a given range.  OpInfo's sample order differs
+# between torch versions (2.11 lists min == max first, 2.13 a given range first).
+_AUDIT_SAMPLE_FILTER = {
+    "histc": lambda sample: sample.kwargs.get("min", 0) != sample.kwargs.get("max", 0),
+}
+
+
 def _checks(op, full: bool):
     """(flat sample, in_dims, nested) triples of the op, as the OpInfo sweep draws them."""
     from tests.support import opinfo_sweep as sweep
@@ -262,7 +272,10 @@ def _checks(op, full: bool):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
+            keep = _AUDIT_SAMPLE_FILTER.get(op.name, lambda sample: True)
             for sample in op.sample_inputs("cpu", torch.float32, requires_grad=False):
+                if not keep(sample):
+                    continue
                 flat, _ = sweep.flatten_sample(op, sample)
                 if flat is not None and sweep._is_deterministic_or_fails(flat) \
                         and flat.randomness == "error":

@@ -219,6 +219,14 @@ register_batch_rule = registrar("pointwise")   # the rules below live in this fi
 for _op in (aten.rsub.Tensor, aten.rsub.Scalar, aten.complex.default, aten.polar.default):
     register_batch_rule(_op, pointwise_rule_for(_op))
 
+# Elementwise ops that torch 2.13 tags pointwise and torch 2.11 does not: the same rule, given
+# by registration only where this torch lacks the tag (elsewhere the tag reaches them).
+for _op in (aten.leaky_relu.default, aten.leaky_relu_.default, aten.elu_.default,
+            aten.celu_.default, aten.hardsigmoid_.default,
+            aten.hardtanh_.default, aten._conj_physical.default):
+    if torch.Tag.pointwise not in _op.tags:
+        register_batch_rule(_op, pointwise_rule_for(_op))
+
 # Elementwise prims (the ``_make_elementwise_*_prim`` ones of torch._prims, plus where and
 # convert_element_type) reach vmap when a Python reference implementation runs on
 # BatchedTensors (e.g. the meta path of some forward-AD formulas).  Prims never broadcast, so

@@ -10,13 +10,15 @@ the same way, unbatched ones expanded first.  Indices stay per plane, so they ne
 adjustment.  (max_unpool with duplicate indices in one plane carrying different values is
 ill-defined: PyTorch's own kernel result then depends on how it splits the work over threads.)
 
-adaptive_max_pool3d's forward runs by its decomposition; its backward is left to the loop
-fallback: PyTorch's CPU adaptive_max_pool3d_backward kernel crashed (segfault) on the folded
-inputs.
+adaptive_max_pool3d's forward runs by its decomposition (torch 2.13's ``torch._decomp``; on a
+torch without one, 2.11, by the same fold rule as adaptive_max_pool2d); its backward is left to
+the loop fallback: PyTorch's CPU adaptive_max_pool3d_backward kernel crashed (segfault) on the
+folded inputs.
 """
 from __future__ import annotations
 
 import torch
+from torch._decomp import decomposition_table
 
 from ..registry import registrar
 from .spatial import fold_into_n_rule
@@ -35,6 +37,11 @@ for _name, _spatial in (
         ("adaptive_max_pool2d_backward", 2), ("max_unpool2d", 2), ("max_unpool3d", 3)):
     _op = getattr(aten, _name).default
     register_batch_rule(_op, fold_into_n_rule(_op, (_spatial + 1, _spatial + 2)))
+
+# torch 2.11 has no torch._decomp decomposition of adaptive_max_pool3d (2.13 has): fold it there.
+if aten.adaptive_max_pool3d.default not in decomposition_table:
+    register_batch_rule(aten.adaptive_max_pool3d.default,
+                        fold_into_n_rule(aten.adaptive_max_pool3d.default, (4, 5)))
 
 # fractional_max_pool*_backward read grad, input and indices as contiguous memory.
 for _name, _spatial in (("fractional_max_pool2d_backward", 2),

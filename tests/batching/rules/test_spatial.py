@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import functrans as ft
-from tests.support.oracles import assert_same, check_vmap, check_vmap_all_bdims
+from tests.support.oracles import assert_same, check_vmap, check_vmap_all_bdims, loop_oracle
 
 g = torch.Generator().manual_seed(0)
 X4 = torch.randn(2, 3, 5, 6, generator=g)
@@ -104,5 +104,12 @@ def test_grid_sample_gradient_wrt_one_operand_only_strict():
         args = [xs if in_dims[0] is not None else X4, grids if in_dims[1] is not None else GRID2]
         with ft.config.strict_fallback():
             got = ft.vmap(ft.grad(f, argnums=argnums), in_dims=in_dims)(*args)
-        ref = torch.func.vmap(torch.func.grad(f, argnums=argnums), in_dims=in_dims)(*args)
+        try:
+            ref = torch.func.vmap(torch.func.grad(f, argnums=argnums), in_dims=in_dims)(*args)
+        except RuntimeError as e:
+            # torch 2.11's torch.func fails here (its grid_sampler_2d_backward batching meets
+            # the undefined gradient of the other operand); the loop of eager gradients is the
+            # reference there
+            assert "Expected a proper Tensor but got None" in str(e), e
+            ref = loop_oracle(torch.func.grad(f, argnums=argnums), in_dims, 3, *args)
         assert_same(got, ref, rtol=1e-4, atol=1e-5)
