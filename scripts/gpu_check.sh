@@ -11,9 +11,9 @@
 #   bash scripts/gpu_check.sh tests bench     # only these steps (env always runs)
 #   BENCH_FILTER="per-sample" BENCH_DEADLINE=120 bash scripts/gpu_check.sh bench
 #
-# Steps and limits (seconds): env 30, tests ${TESTS_LIMIT:-200} (pytest -n ${TEST_WORKERS:-12}),
-# notebooks ${NOTEBOOKS_LIMIT:-150} (in the background, beside the tests), bench
-# ${BENCH_LIMIT:-330} (no row starts after ${BENCH_DEADLINE:-230} s).  $OUT/summary.txt has each
+# Steps, in order, and their limits (seconds): bench ${BENCH_LIMIT:-300} (${BENCH_WORKERS:-6} rows
+# at once; no row starts after ${BENCH_DEADLINE:-200} s), then tests ${TESTS_LIMIT:-150}
+# (pytest -n ${TEST_WORKERS:-12}) with notebooks ${NOTEBOOKS_LIMIT:-150} beside them.  $OUT/summary.txt has each
 # step's exit code and time.  Dry run of the CPU parts: `DEVICE=cpu bash scripts/gpu_check.sh`
 # (smoke-sized benchmark rows).
 set -uo pipefail
@@ -64,6 +64,15 @@ EOF
 } >>"$OUT/env.log" 2>&1
 echo "env: $(grep -m1 '^python' "$OUT/env.log")" | tee -a "$OUT/summary.txt"
 
+# The benchmark first and alone on the GPU (its timings must not share the device with the
+# tests); then the tests, with the notebooks beside them.
+if has bench; then
+  smoke=$([ "$DEVICE" = cpu ] && echo --smoke)
+  step bench "${BENCH_LIMIT:-300}" "$PY" -m benchmarks.gpu --device "$DEVICE" $smoke \
+      --workers "${BENCH_WORKERS:-6}" --deadline "${BENCH_DEADLINE:-200}" \
+      --filter "${BENCH_FILTER:-}" --json "$OUT/gpu_bench.json"
+  tail -40 "$OUT/bench.log"
+fi
 nb_pid=
 if has notebooks; then
   ( step notebooks "${NOTEBOOKS_LIMIT:-150}" "$PY" notebooks/run_as_script.py --device "$DEVICE" ) &
@@ -71,16 +80,9 @@ if has notebooks; then
 fi
 if has tests; then
   FUNCTRANS_CUDA_IDS="$OUT/cuda_ids.txt" \
-  step tests "${TESTS_LIMIT:-200}" "$PY" -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-12}" \
-      --timeout 150 -rfEx --junitxml "$OUT/junit.xml" ${TESTS_ARGS:-}
+  step tests "${TESTS_LIMIT:-150}" "$PY" -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-12}" \
+      --timeout 120 -rfEx --junitxml "$OUT/junit.xml" ${TESTS_ARGS:-}
   "$PY" scripts/junit_counts.py "$OUT/junit.xml" "$OUT/cuda_ids.txt" | tee -a "$OUT/summary.txt"
 fi
 [ -n "$nb_pid" ] && wait "$nb_pid"
-if has bench; then
-  smoke=$([ "$DEVICE" = cpu ] && echo --smoke)
-  step bench "${BENCH_LIMIT:-330}" "$PY" -m benchmarks.gpu --device "$DEVICE" $smoke \
-      --workers "${BENCH_WORKERS:-3}" --deadline "${BENCH_DEADLINE:-230}" \
-      --filter "${BENCH_FILTER:-}" --json "$OUT/gpu_bench.json"
-  tail -60 "$OUT/bench.log"
-fi
 cat "$OUT/summary.txt"
