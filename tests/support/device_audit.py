@@ -19,7 +19,8 @@ Two audits, used by tests/device_audit/:
   ``fakegpu`` with a Python device guard, and ``fake_gpu_mode()`` is a FakeTensorMode in which
   tensors live there: shapes, dtypes and devices are computed, values are not, no GPU needed.
   A rule that builds an index or helper tensor on the CPU and mixes it with a GPU input fails
-  there as on a real GPU ("found at least two devices"), and a value read raises.  Why not the
+  there as on a real GPU ("found at least two devices"; torch 2.11: "found two different
+  devices"), and a value read raises.  Why not the
   alternatives: fake ``cuda`` tensors abort the process as soon as autograd records a node (a
   CPU-only build has no CUDA device guard) and cannot run ``copy_``; the ``meta`` device accepts
   CPU index tensors in ``index_select``/``gather``, which CUDA refuses.  The fake GPU runs
