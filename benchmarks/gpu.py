@@ -10,7 +10,9 @@ eager; ``functrans.compile`` with the backends ``replay`` (the default), ``induc
 ``cudagraphs``; ``torch.compile`` over the torch.func callable, default mode and
 ``mode="reduce-overhead"`` (CUDA graphs); the Python ``loop`` over examples (plain autograd).
 Every cell's result is compared with torch.func eager (``Spec.rtol``/``atol``) before anything is
-timed; a cell that fails is reported with its reason and the row goes on.  A compiled cell that
+timed; where the two differ, both are compared with a float64 run, and the cell passes only if it
+is as accurate as torch.func (``_Checker``; the errors are listed under the table).  A cell that
+fails is reported with its reason and the row goes on.  A compiled cell that
 ran eagerly, retraced, or fell back from the backend it was asked for fails.  TF32 is off
 (``torch.backends.cudnn.allow_tf32`` / ``cuda.matmul.allow_tf32``), so the checks compare float32
 with float32 and every column computes in the same precision.
@@ -23,9 +25,10 @@ is linear in the batch.  Such cells are marked in the table.
 Timing: two warm-up calls per cell, then a call count per sample calibrated to about
 ``--sample-ms``; ``--rounds`` rounds time every cell once each, in rotating order; a sample is
 the CUDA-event time over its calls divided by the count; the table shows the median.  Peak
-memory: ``torch.cuda.max_memory_allocated`` during one steady-state call, less what was
-allocated before the cell was built (so memory a compiled cell holds, such as a CUDA graph's
-static buffers, counts).  Rows whose target is missed are profiled (``torch.profiler``: host
+memory of one steady-state call: what the cell holds between calls (what building and checking
+it left allocated: a CUDA graph's static buffers, say) plus the most the call allocates above
+what was allocated when it began (``torch.cuda.max_memory_allocated``), its result included.
+Rows whose target is missed are profiled (``torch.profiler``: host
 wall time against the sum of device kernel time per call, and the top kernels).
 
 Each row runs in its own process (``--row``), so a crash costs one row, and ``--workers`` rows
@@ -330,8 +333,14 @@ SMOKE_SIZES = {"B=4096": 8, "B=512": 6, "B=64": 4}
 # --- one row, in its own process -------------------------------------------------------------
 
 def _why(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+    """The exception's first line; for a failed comparison, with its mismatch and greatest
+    differences."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    keep = [lines[0][:200]] + [ln[:160] for ln in lines[1:] if ln.startswith(
+        ("Mismatched", "Greatest", "The failure occurred"))]
+    return f"{type(e).__name__}: {' '.join(keep)}"
 
 
 def _assert_agree(got, want, spec: Spec, what: str) -> None:
@@ -374,14 +383,17 @@ def _allocated(device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
-def _peak_of_one_call(fn, device, base: int) -> Optional[int]:
+def _peak_of_one_call(fn, device, held: int) -> Optional[int]:
+    """What one call needs: the memory the cell holds between calls plus the most the call
+    allocates above what was allocated when it began (its result included)."""
     if device.type != "cuda":
         return None
     _sync(device)
+    before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     out = fn()
     _sync(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
+    peak = held + torch.cuda.max_memory_allocated(device) - before
     del out
     return peak
 
@@ -399,29 +411,71 @@ def _gpu_lock(path: Optional[str]):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+FLOAT32_OK = 1e-5    # normwise relative error of a float32 result against float64: accurate
+
+
+def _to64(tree):
+    return pytree.tree_map(lambda t: t.double() if isinstance(t, torch.Tensor)
+                           and t.is_floating_point() else t, tree)
+
+
+def _rel_errors(got, ref) -> List[float]:
+    """Per leaf: ||got - ref|| / ||ref|| (in float64)."""
+    return [float((g.double() - r).norm() / r.norm().clamp_min(1e-30))
+            for g, r in zip(pytree.tree_leaves(got), pytree.tree_leaves(ref))]
+
+
+class _Checker:
+    """A cell's result against torch.func's, within the row's tolerance.  Where they differ,
+    both are compared with a float64 reference (torch.func on float64 copies of the arguments):
+    the cell passes if it is as accurate as torch.func (normwise relative error at most
+    ``FLOAT32_OK`` or twice torch.func's), and the errors are recorded in ``numerics``; else it
+    fails, naming both errors, so a failure says which of the two is wrong."""
+
+    def __init__(self, spec: Spec, want, numerics: dict):
+        self.spec, self.want, self.numerics, self._ref = spec, want, numerics, None
+
+    def __call__(self, got, name: str) -> None:
+        try:
+            _assert_agree(got, self.want, self.spec, name)
+            return
+        except AssertionError as e:
+            differs = _why(e)
+        if self._ref is None:
+            self._ref = self.spec.make(torch.func)(*_to64(self.spec.args))
+        mine, theirs = max(_rel_errors(got, self._ref)), max(_rel_errors(self.want, self._ref))
+        self.numerics[name] = {"vs float64": mine, "torch.func vs float64": theirs,
+                               "differs from torch.func": differs}
+        if mine > max(FLOAT32_OK, 2 * theirs):
+            raise AssertionError(f"{differs}; against float64: {mine:.2e}, torch.func's "
+                                 f"{theirs:.2e}")
+
+
 def _build_cells(w: GpuWorkload, spec: Spec, device, smoke: bool, result: dict) -> Dict[str, dict]:
-    """``{cell: {"fn": zero-arg callable, "base": bytes before it was built, "first_s": the first
-    two calls (compile, check), seconds}}``;
-    failures go to ``result["errors"]``."""
+    """``{cell: {"fn": zero-arg callable, "held": bytes the cell keeps allocated once built,
+    "first_s": the first two calls (compile, check), seconds}}``; failures go to
+    ``result["errors"]``, float64 adjudications to ``result["numerics"]``."""
     cells: Dict[str, dict] = {}
     errors = result["errors"]
     args = spec.args
-    want = spec.make(torch.func)(*args)
+    check = _Checker(spec, spec.make(torch.func)(*args), result["numerics"])
 
     def add(name, make_fn, check_info=None):
+        _sync(device)
         base = _allocated(device)
         try:
             t0 = time.perf_counter()
             fn = make_fn()
             # each result checked before the next call: torch.compile's CUDA graphs overwrite
             # (and forbid reading) a result once the function is called again
-            _assert_agree(fn(*args), want, spec, name)
-            _assert_agree(fn(*args), want, spec, name)
+            check(fn(*args), name)
+            check(fn(*args), name)
             _sync(device)
             seconds = time.perf_counter() - t0
             if check_info is not None:
                 check_info(fn)
-            cells[name] = {"fn": functools.partial(fn, *args), "base": base, "first_s": seconds}
+            cells[name] = {"fn": functools.partial(fn, *args), "first_s": seconds,
+                           "held": _allocated(device) - base}
         except Exception as e:                  # the cell fails, the row goes on
             errors[name] = _why(e)
 
@@ -434,7 +488,6 @@ def _build_cells(w: GpuWorkload, spec: Spec, device, smoke: bool, result: dict) 
                     if len(report):
                         raise AssertionError(f"functrans ran the loop fallback: {report}")
                     return out
-                run.unchecked = fn
                 return run
             add(name, strict)
             if name in cells:      # time the plain callable, not the checking wrapper
@@ -456,19 +509,17 @@ def _build_cells(w: GpuWorkload, spec: Spec, device, smoke: bool, result: dict) 
         add(name, lambda mode=mode: torch.compile(
             spec.make(torch.func), mode=None if mode == "default" else mode))
     loop_spec = w.loop_build(device, smoke) if w.loop_build and not smoke else spec
-    loop_want = loop_spec.make(torch.func)(*loop_spec.args) if loop_spec is not spec else want
-    base = _allocated(device)
+    loop_check = check if loop_spec is spec else _Checker(
+        loop_spec, loop_spec.make(torch.func)(*loop_spec.args), result["numerics"])
     try:
         t0 = time.perf_counter()
-        got = loop_spec.loop(*loop_spec.args)
-        _assert_agree(got, loop_want, loop_spec, "loop")
-        del got
-        cells["loop"] = {"fn": functools.partial(loop_spec.loop, *loop_spec.args), "base": base,
-                         "first_s": time.perf_counter() - t0,
+        loop_check(loop_spec.loop(*loop_spec.args), "loop")
+        cells["loop"] = {"fn": functools.partial(loop_spec.loop, *loop_spec.args),
+                         "first_s": time.perf_counter() - t0, "held": 0,
                          "scale": w.loop_scale if loop_spec is not spec else 1.0}
     except Exception as e:
         errors["loop"] = _why(e)
-    del want, loop_want
+    del check, loop_check
     return cells
 
 
@@ -514,7 +565,8 @@ def _profile(fn, device, calls: int = 5) -> dict:
 
 def run_row(w: GpuWorkload, device, rounds: int, sample_s: float, smoke: bool,
             lock: Optional[str]) -> dict:
-    result: dict = {"id": w.id, "workload": w.name, "size": w.size, "errors": {}, "times": {},
+    result: dict = {"id": w.id, "workload": w.name, "size": w.size, "errors": {}, "numerics": {},
+                    "times": {},
                     "peak_bytes": {}, "first_s": {}, "loop_scale": None}
     torch.manual_seed(0)
     spec = w.build(device, smoke)
@@ -527,7 +579,7 @@ def run_row(w: GpuWorkload, device, rounds: int, sample_s: float, smoke: bool,
         result["times"] = _measure(cells, device, rounds, sample_s)
         for name, c in cells.items():
             if name != "loop":
-                result["peak_bytes"][name] = _peak_of_one_call(c["fn"], device, c["base"])
+                result["peak_bytes"][name] = _peak_of_one_call(c["fn"], device, c["held"])
         result["targets"] = targets(w, result)
         result["profiles"] = {}
         for label, met, pair in result["targets"]:
@@ -623,10 +675,17 @@ def format_tables(results: List[dict], markdown: bool) -> str:
     memory = _render(head2, rows2, markdown)
     failures = [f"- {r['id']} {c}: {e}" for r in results for c, e in r.get("errors", {}).items()]
     text = (f"Time per call (median of CUDA-event samples; * = loop measured on fewer examples "
-            f"and scaled linearly):\n\n{times}\n\nPeak memory of one steady-state call above "
-            f"what was allocated before the cell was built (MB):\n\n{memory}")
+            f"and scaled linearly):\n\n{times}\n\nPeak memory of one steady-state call: what the "
+            f"cell holds between calls plus what the call allocates (MB):\n\n{memory}")
     if failures:
         text += "\n\nFailed cells:\n" + "\n".join(failures)
+    judged = [f"- {r['id']} {c}: {n['vs float64']:.1e} against float64, torch.func "
+              f"{n['torch.func vs float64']:.1e} ({n['differs from torch.func']})"
+              for r in results for c, n in r.get("numerics", {}).items()
+              if c not in r.get("errors", {})]
+    if judged:
+        text += ("\n\nCells that differ from torch.func beyond the row's tolerance but are as "
+                 "accurate (normwise relative error against a float64 run):\n" + "\n".join(judged))
     return text
 
 

@@ -28,9 +28,17 @@ def pytest_generate_tests(metafunc):
 
 
 def pytest_collection_modifyitems(config, items):
-    """With FUNCTRANS_CUDA_IDS=FILE, write the ids of the tests marked ``cuda`` there (one per
-    line; under xdist, the first worker writes): scripts/junit_counts.py counts them apart."""
+    """Test ids must be the same in every process (pytest-xdist refuses a run whose workers
+    collect different ids): an id holding an object's address fails the collection.  With
+    FUNCTRANS_CUDA_IDS=FILE, write the ids of the tests marked ``cuda`` there (one per line;
+    under xdist, the first worker writes): scripts/junit_counts.py counts them apart."""
     import os
+    import re
+    unstable = [item.nodeid for item in items if re.search(r" at 0x[0-9a-f]+", item.nodeid)]
+    if unstable:
+        raise pytest.UsageError(
+            f"{len(unstable)} test id(s) hold a memory address, which differs between "
+            f"processes (give the parametrization ids): {unstable[:3]}")
     path = os.environ.get("FUNCTRANS_CUDA_IDS")
     worker = getattr(config, "workerinput", {}).get("workerid", "gw0")
     if path and worker == "gw0":

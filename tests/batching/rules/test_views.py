@@ -285,8 +285,8 @@ FLATTENING = {"view", "reshape_contiguous", "flatten"}
 
 
 @pytest.mark.parametrize("name,view,bdim", [
-    (name, view, bdim) for name, view in ALIASING for bdim in (0, 1, -1)
-    if not (bdim == 1 and name in FLATTENING)], ids=str)
+    pytest.param(name, view, bdim, id=f"{name}-{bdim}") for name, view in ALIASING
+    for bdim in (0, 1, -1) if not (bdim == 1 and name in FLATTENING)])
 def test_inplace_write_through_view(name, view, bdim):
     def f(t):
         t = t.clone()
