@@ -77,3 +77,28 @@ def test_ensemble_of_cnns_vs_torch_func():
                 rtol=1e-4, atol=1e-5)
     assert_same(grads, torch.func.vmap(torch.func.grad(cnn_loss), in_dims=(0, None, None))(
         stacked, x, y), rtol=1e-4, atol=1e-5)
+
+
+def test_per_sample_input_gradient_runs_one_ungrouped_backward():
+    """vmap(grad) over a CNN's parameters: the second conv's input gradient (the weight is shared)
+    runs as one ordinary convolution backward with the batch folded into N, the weight and bias
+    gradients as one grouped call; values as the loop's (and torch.func's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.convolution_backward.default:
+                calls.append((args[0].shape[0], args[9], tuple(args[10])))   # N, groups, mask
+            return func(*args, **(kwargs or {}))
+
+    params = {"c1": r(4, 1, 3, 3), "b1": r(4), "c2": r(6, 4, 3, 3), "b2": r(6), "fc": r(6 * 3 * 3, 10)}
+    xs, ys = r(5, 1, 8, 8), torch.randint(0, 10, (5,), generator=g)
+    with Record(), ft.config.strict_fallback():
+        ours = ft.vmap(ft.grad(cnn_loss), in_dims=(None, 0, 0))(params, xs, ys)
+    assert (5, 1, (True, False, False)) in calls, calls             # conv2's input gradient
+    assert all(mask[0] is False for n, groups, mask in calls if groups == 5), calls
+    assert not any(mask == (True, True, True) for _, _, mask in calls), calls
+    loop = [torch.func.grad(cnn_loss)(params, x, y) for x, y in zip(xs, ys)]
+    assert_same(ours, {k: torch.stack([l[k] for l in loop]) for k in params}, rtol=1e-4, atol=1e-5)
