@@ -31,6 +31,9 @@ torch.set_num_threads(1)
 # A GPU if there is one, else the CPU; FUNCTRANS_NOTEBOOK_DEVICE=cpu (or cuda) overrides.
 device = torch.device(os.environ.get("FUNCTRANS_NOTEBOOK_DEVICE")
                       or ("cuda" if torch.cuda.is_available() else "cpu"))
+# float32 stays float32 on a GPU: cuDNN's convolutions use TF32 (10-bit mantissas) by default on
+# recent NVIDIA GPUs, which moves results by about 1e-3 and would fail the comparisons below.
+torch.backends.cudnn.allow_tf32 = False
 print("torch", torch.__version__, "| functrans", ft.__version__, "| device", device)
 
 # %% [markdown]
