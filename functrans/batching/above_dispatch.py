@@ -11,6 +11,9 @@ decided before any op reaches it, so no batching rule can see them:
 * **An RNN's initial state** (Note [RNN initial state]).  The RNN entry points of ``torch._VF``
   decompose, in C++, into an in-place add into ``linear_hh(h0)``; an unbatched ``h0`` must be
   batched before that.
+* **An RNN on CUDA** (same Note).  There ``torch._VF.lstm/gru/rnn_*`` would run cuDNN's single
+  ``_cudnn_rnn`` op, which has no batching rule; under vmap they run with cuDNN disabled, so
+  PyTorch takes its native path (ops with rules), as on the CPU.
 
 ``install()`` is called once by ``functrans.batching``'s ``__init__``: importing this module (or
 any rules module) patches nothing.
@@ -293,8 +296,38 @@ def _tensor_split_error(split: torch.Tensor) -> UnsupportedUnderVmap:
 # costs one thread-local lookup per RNN call outside vmap and changes nothing there; inside vmap
 # it batches the state when another argument is batched.  Direct calls of ``torch.gru``,
 # ``torch.lstm_cell``... (not through torch._VF) are not hooked.
+#
+# The same wrapper picks the path of a full-sequence entry point (lstm, gru, rnn_tanh, rnn_relu)
+# on CUDA.  There, with cuDNN enabled, PyTorch runs the whole RNN as ONE op, ``_cudnn_rnn``
+# (``_miopen_rnn`` on ROCm, under the same flag), tagged random because it takes a dropout state
+# even with dropout=0, and with no batching rule: vmap(grad) of nn.LSTM/nn.GRU failed on an
+# H200.  So when such a call is under vmap with a batched argument (``top_level``, as above)
+# and any tensor argument is on a CUDA device, it runs with cuDNN disabled for its duration
+# (``_cudnn_disabled``): PyTorch then takes its native path, which decomposes into
+# linear/matmul, the fused CUDA cell kernels (``_thnn_fused_lstm_cell`` / ``_gru_cell``) and
+# pointwise ops, all with rules; that is the decomposition the CPU tests already exercise
+# (bar the cell kernels, whose rules are in rules/rnn.py).  Why not a ``_cudnn_rnn`` rule
+# instead: its weights come as cuDNN's packed, layout-specific flat buffer (``weight_buf``,
+# ``weight_stride0``), its reserve/workspace output is opaque and feeds
+# ``_cudnn_rnn_backward``, and batched weights (ensembles) have no cuDNN layout at all; a rule
+# would have to re-derive all of it and could not be tested without a GPU, whereas the native
+# path needs nothing new.  Outside vmap, with nothing batched, or on the CPU, nothing changes.
+#
+# Only the ``enabled`` flag is touched (saved, cleared, restored on exit, exception or not),
+# through ``torch._C`` rather than ``torch.backends.cudnn.flags(enabled=False, ...)``: ``flags()``
+# re-sets every flag, and its first step reads ``allow_tf32``, which RAISES when the cuDNN conv
+# and RNN TF32 precisions differ (``torch.backends.cudnn.conv.fp32_precision = ...``, torch
+# 2.11 and 2.13), so it would break a legitimate setting; here ``benchmark``,
+# ``benchmark_limit``, ``deterministic``, the TF32 / fp32_precision settings and
+# ``depthwise_kernel`` are never written.  Caveat, thread safety: the cuDNN flags are
+# process-global, not thread-local.  While a vmapped RNN runs on CUDA, other threads' cuDNN ops
+# (convolutions, RNNs) also run without cuDNN (slower, possibly slightly different values), and
+# two threads that overlap such calls can restore in the wrong order and leave cuDNN disabled
+# (A saves True, B saves False, A restores True, B restores False).  ``torch.backends.cudnn
+# .flags`` has the same limits.  Single-threaded use, the common case, is exact.
 RNN_ENTRY_POINTS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell",
                               "rnn_tanh_cell", "rnn_relu_cell"})
+FULL_SEQUENCE_ENTRY_POINTS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
 
 
 def _batched_like(h, level):
@@ -328,20 +361,67 @@ def batch_initial_state(name, args):
     return tuple(args[:pos]) + (new,) + tuple(args[pos + 1:])
 
 
+def _on_cuda(args) -> bool:
+    """Whether a tensor among ``args`` (or in their lists/tuples) is on a CUDA device."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.is_cuda:
+                return True
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor) and b.is_cuda:
+                    return True
+    return False
+
+
+def needs_native_path(name, args) -> bool:
+    """Whether the RNN entry point ``name`` must run with cuDNN disabled: a full-sequence entry
+    point under vmap with a batched argument and a tensor on CUDA (Note [RNN initial state])."""
+    if name not in FULL_SEQUENCE_ENTRY_POINTS:
+        return False
+    level = top_level(args)
+    if level is None or not level.alive:
+        return False
+    return _on_cuda(args)
+
+
+class _cudnn_disabled:
+    """cuDNN's ``enabled`` flag cleared for a ``with`` block, every other flag untouched
+    (process-global: see the thread-safety caveat in Note [RNN initial state])."""
+
+    def __enter__(self):
+        self.saved = torch._C._get_cudnn_enabled()
+        torch._C._set_cudnn_enabled(False)
+
+    def __exit__(self, *exc):
+        torch._C._set_cudnn_enabled(self.saved)
+        return False
+
+
+def hook_rnn_entry_point(name, original):
+    """``original`` (the ``torch._VF`` entry point ``name``) wrapped as Note [RNN initial state]
+    says: the initial state batched, and cuDNN disabled when ``needs_native_path``."""
+
+    def hooked(*args, **kwargs):
+        if _levels.stack():
+            native = needs_native_path(name, args)
+            new = batch_initial_state(name, args)
+            if new is not None:
+                args = new
+            if native:
+                with _cudnn_disabled():
+                    return original(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    hooked._functrans_initial_state_hook = True
+    hooked.__name__ = name
+    return hooked
+
+
 def _install_initial_state_hooks() -> None:
     """Wrap the RNN entry points of ``torch._VF``: see Note [RNN initial state]."""
     for name in RNN_ENTRY_POINTS:
         current = getattr(_VF, name)
         if getattr(current, "_functrans_initial_state_hook", False):
             continue
-
-        def hooked(*args, _name=name, _original=current, **kwargs):
-            if _levels.stack():
-                new = batch_initial_state(_name, args)
-                if new is not None:
-                    args = new
-            return _original(*args, **kwargs)
-
-        hooked._functrans_initial_state_hook = True
-        hooked.__name__ = name
-        setattr(_VF, name, hooked)
+        setattr(_VF, name, hook_rnn_entry_point(name, current))

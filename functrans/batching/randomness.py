@@ -63,12 +63,23 @@ def draws_random(op, args, kwargs) -> bool:
         return bool(_arg(op, args, kwargs, "train", True)) and _arg(op, args, kwargs, "p", 0) > 0
     if "training" in names:
         return bool(_arg(op, args, kwargs, "training", False))
+    if "dropout_state" in names:
+        # _cudnn_rnn: tagged random for its dropout state, which it reads only for dropout
+        # between layers in training.  nn.LSTM/nn.GRU under vmap do not reach it (Note [RNN
+        # initial state] in above_dispatch.py); a direct call with dropout=0 is not a draw.
+        return bool(_arg(op, args, kwargs, "train", True)) \
+            and _arg(op, args, kwargs, "dropout", 0.0) > 0
     return True
 
 
 def random_error(op) -> UnsupportedUnderVmap:
+    what = ""
+    schema = getattr(op, "_schema", None)
+    if schema is not None and any(a.name == "dropout_state" for a in schema.arguments):
+        what = " (cuDNN's RNN kernel: it draws a dropout mask between layers, dropout > 0 in " \
+               "training mode)"
     return UnsupportedUnderVmap(
-        f"vmap: called the random operation {op} while randomness='error' (the default). "
+        f"vmap: called the random operation {op}{what} while randomness='error' (the default). "
         "vmap cannot know whether each example should get its own random values. Pass "
         "randomness='different' (independent values per example, e.g. for dropout in "
         "per-sample training) or randomness='same' (one draw shared by the whole batch) to vmap.")

@@ -26,7 +26,9 @@ the backward does its own back-propagation through time.  Forward and backward d
 the same conditions (packed sequences, modes other than LSTM), so a workspace made by a rule is
 only ever read by a rule.
 
-``_cudnn_rnn`` is left to the loop fallback (untestable here).  An unbatched initial hidden state
+``_cudnn_rnn`` has no rule: under vmap the ``torch._VF`` entry points run on CUDA with cuDNN
+disabled, so the native path (the cell kernels above) runs instead; a direct call is left to
+the loop fallback (untestable here).  An unbatched initial hidden state
 is batched before the entry point decomposes: see Note [RNN initial state].
 """
 from __future__ import annotations
