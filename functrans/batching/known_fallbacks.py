@@ -27,6 +27,11 @@ _RESIZE = ("resizes a tensor's storage in place: the examples of a batched tenso
 _GPU_ONLY = ("CUDA/ROCm-only kernel; this machine has no GPU to test a rule against, so the "
              "loop (correct, slow) runs it")
 
+_CUDNN_RNN = ("cuDNN's RNN kernel (packed weights, an opaque workspace for its backward): under vmap "
+              "nn.RNN/LSTM/GRU run with cuDNN off, on PyTorch's native path, whose ops have "
+              "rules (Note [RNN initial state] in batching/above_dispatch.py); a direct call "
+              "of _cudnn_rnn reaches the loop")
+
 _DYNAMIC = ("its output shape depends on the values of its input, so no vectorised rule can "
             "exist; each example runs on its own, and the results are stacked when their "
             "shapes agree (a clear error says so when they differ). For a batched form "
@@ -46,8 +51,8 @@ NO_RULE: Dict[str, str] = {
     "aten.resize_.default": _RESIZE,
     "aten.resize.default": _RESIZE,
     "aten.resize_as_.default": _RESIZE,
-    "aten._cudnn_rnn.default": _GPU_ONLY,
-    "aten._cudnn_rnn_backward.default": _GPU_ONLY,
+    "aten._cudnn_rnn.default": _CUDNN_RNN,
+    "aten._cudnn_rnn_backward.default": _CUDNN_RNN,
     "aten.miopen_batch_norm.default": _GPU_ONLY,
 }
 

@@ -59,9 +59,6 @@ MODELS = {
 
 
 def _ensemble(kind, device, n=N):
-    if kind == "lstm" and device != "cpu":
-        pytest.skip("nn.LSTM on CUDA runs aten._cudnn_rnn, which has no batching rule "
-                    "(known_fallbacks: GPU only), so it cannot run strict")
     make, example_shape = MODELS[kind]
     models = [make().to(device) for _ in range(n)]
     return models, example_shape
