@@ -319,7 +319,8 @@ WORKLOADS: List[GpuWorkload] = [
       for b in (64, 512, 4096)],
     *[_w("per-sample grads CNN", f"B={b}", P(_psg_cnn, b), b, min(b, 256), P(_psg_cnn, min(b, 256)))
       for b in (64, 512, 4096)],
-    *[_w("ensemble grad MLP", f"N={n}", P(_ensemble_grad, n), n, members=True) for n in (8, 32, 128)],
+    *[_w("ensemble grad MLP", f"N={n}", P(_ensemble_grad, n), n, members=True)
+      for n in (8, 32, 128)],
     _w("vmap(jacrev) MLP", "B=4096", P(_batched_jacobian, "jacrev", 4096), 4096, 128,
        P(_batched_jacobian, "jacrev", 128)),
     _w("vmap(jacfwd) MLP", "B=4096", P(_batched_jacobian, "jacfwd", 4096), 4096, 128,
@@ -656,7 +657,8 @@ def format_tables(results: List[dict], markdown: bool) -> str:
     rows = []
     for r in results:
         if r.get("crashed"):
-            rows.append([r["workload"], r["size"], "CRASHED: " + r["crashed"]] + [""] * (len(head) - 3))
+            rows.append([r["workload"], r["size"], "CRASHED: " + r["crashed"]]
+                        + [""] * (len(head) - 3))
             continue
         t = r["times"]
         cells = []

@@ -40,7 +40,7 @@ def test_a_result_as_accurate_as_torch_func_passes_and_is_recorded():
     spec = _spec()
     want = spec.make(torch.func)(*spec.args)
     exact = spec.make(torch.func)(*gpu._to64(spec.args)).float()
-    nudged = exact + 3e-7 * exact.abs().max()          # beyond rtol 1e-6 somewhere, still float32-good
+    nudged = exact + 3e-7 * exact.abs().max()   # beyond rtol 1e-6 somewhere, float32-good
     numerics = {}
     gpu._Checker(spec, want, numerics)(nudged, "cell")
     assert numerics["cell"]["vs float64"] < gpu.FLOAT32_OK
@@ -81,4 +81,5 @@ def test_stored_run_renders_and_updates_the_readme(tmp_path, monkeypatch):
     monkeypatch.setattr(table, "README", readme)
     assert gpu.main(["--render", str(STORED[-1]), "--update-readme"]) == 0
     new = readme.read_text()
-    assert "OLD-TABLE" not in new and saved["device"] in new and new.endswith("<!-- bench:gpu:end -->\ny\n")
+    assert "OLD-TABLE" not in new and saved["device"] in new
+    assert new.endswith("<!-- bench:gpu:end -->\ny\n")

@@ -27,10 +27,10 @@ _RESIZE = ("resizes a tensor's storage in place: the examples of a batched tenso
 _GPU_ONLY = ("CUDA/ROCm-only kernel; this machine has no GPU to test a rule against, so the "
              "loop (correct, slow) runs it")
 
-_CUDNN_RNN = ("cuDNN's RNN kernel (packed weights, an opaque workspace for its backward): under vmap "
-              "nn.RNN/LSTM/GRU run with cuDNN off, on PyTorch's native path, whose ops have "
-              "rules (Note [RNN initial state] in batching/above_dispatch.py); a direct call "
-              "of _cudnn_rnn reaches the loop")
+_CUDNN_RNN = ("cuDNN's RNN kernel (packed weights, an opaque workspace for its backward): "
+              "under vmap nn.RNN/LSTM/GRU run with cuDNN off, on PyTorch's native path, whose "
+              "ops have rules (Note [RNN initial state] in batching/above_dispatch.py); a "
+              "direct call of _cudnn_rnn reaches the loop")
 
 _DYNAMIC = ("its output shape depends on the values of its input, so no vectorised rule can "
             "exist; each example runs on its own, and the results are stacked when their "

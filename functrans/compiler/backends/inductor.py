@@ -6,7 +6,8 @@ Inductor cannot take directly, so the graph is first re-traced through functrans
 inputs back with ``copy_``.  Views stay views: removing them too (``"mutations_and_views"``)
 turns each into a ``*_copy`` op that Inductor must materialize where it is an output, and the
 per-example gradients that ``vmap(grad)`` returns are transposed views of one ``bmm``: a copy
-was a third of per-sample-gradient time on an H200 (0.39 of 1.13 ms at B=512, 2026-11-27).  Tensors the graph read from closures (``get_attr``
+was a third of per-sample-gradient time on an H200 (0.39 of 1.13 ms at B=512, 2026-11-27).
+Tensors the graph read from closures (``get_attr``
 constants) become inputs first, so their mutations are written back too and their current
 values are read at every call.  The re-trace runs on clones of the inputs with the random
 generators forked (it must not change anything the caller sees).  ``torch.compile(...,
