@@ -2,8 +2,8 @@
 on CPU: ``_scaled_dot_product_attention_math`` is CompositeImplicit and decomposes into matmuls
 and this softmax), the fused CPU kernels ``_scaled_dot_product_flash_attention_for_cpu`` and
 its backward, and the fused CUDA kernels ``_scaled_dot_product_efficient_attention`` (what
-``F.scaled_dot_product_attention`` picks for float32 on CUDA), ``_scaled_dot_product_flash_attention``
-(half/bfloat16) and their backwards.
+``F.scaled_dot_product_attention`` picks for float32 on CUDA),
+``_scaled_dot_product_flash_attention`` (half/bfloat16) and their backwards.
 
 Invariants:
 * ``_safe_softmax`` normalizes along a LOGICAL dim, translated to a physical one; bdim kept;
