@@ -1,7 +1,9 @@
 """Attention: ``_safe_softmax`` (what the math path of ``F.scaled_dot_product_attention`` reaches
 on CPU: ``_scaled_dot_product_attention_math`` is CompositeImplicit and decomposes into matmuls
-and this softmax) and the fused CPU kernels ``_scaled_dot_product_flash_attention_for_cpu`` and
-its backward.
+and this softmax), the fused CPU kernels ``_scaled_dot_product_flash_attention_for_cpu`` and
+its backward, and the fused CUDA kernels ``_scaled_dot_product_efficient_attention`` (what
+``F.scaled_dot_product_attention`` picks for float32 on CUDA),
+``_scaled_dot_product_flash_attention`` (half/bfloat16) and their backwards.
 
 Invariants:
 * ``_safe_softmax`` normalizes along a LOGICAL dim, translated to a physical one; bdim kept;
@@ -12,7 +14,20 @@ Invariants:
 * the CPU kernel gives wrong values for inputs whose last dim is not unit-stride; the rule
   hands it such inputs made contiguous (a batch dim moved last would otherwise trigger it);
 * dropout: the CPU kernel refuses ``dropout_p > 0``; the rule declines it, so the random-op
-  check and eager's own error stay in charge.
+  check and eager's own error stay in charge.  The CUDA kernels' rules decline it too (each
+  example would need its own dropout draw), as they decline logical ranks other than 4, a
+  debug mask, varlen (``cum_seq_*``) inputs and batched philox seeds/offsets: the loop runs them;
+* CUDA kernels' outputs: ``output``/``log_sumexp``/gradients are [N, ...] and unfold by
+  splitting the leading dim only (the efficient kernel pads ``log_sumexp``'s last dim to a
+  multiple of 32, and may return it with 0 columns: the split never infers a size); the
+  philox seed/offset (rng_state/unused) and the empty debug mask do not depend on the examples
+  when ``dropout_p == 0`` and are returned unbatched; ``max_q``/``max_k`` are ints;
+* the efficient kernel's ``attn_bias`` must be [N, H, L, S] exactly (it is what sdpa passes:
+  a padded, expanded mask); the rule folds it like q/k/v (an unbatched bias expanded per
+  example) and re-aligns it (strides a multiple of 16 elements, as sdpa's ``pad_bias`` does)
+  when folding copied it; its gradient is one per example (the kernel writes a fresh
+  [N, H, L, S] gradient whatever the bias's strides), so a shared bias gets a batched gradient,
+  which is the op's meaning per example (autograd sums it where a shared bias needs that).
 """
 from __future__ import annotations
 
@@ -50,6 +65,12 @@ def _unfold(t, size):
     return t.reshape((size, -1) + t.shape[1:])
 
 
+def _unfold_n(t, size):
+    """[B*N, ...] -> [B, N, ...]: the leading dim split without inferring a size (the
+    efficient kernel's log_sumexp can have 0 columns)."""
+    return t.reshape((size, t.shape[0] // size) + t.shape[1:])
+
+
 def _check_fusable(tensors, in_dims, dropout_p):
     if dropout_p > 0:
         raise Decline()
@@ -77,6 +98,111 @@ def flash_attention_cpu_backward_rule(info, in_dims, grad, q, k, v, out, lse, dr
     grads = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
         *folded, dropout_p, is_causal, attn_mask=_fold_mask(attn_mask, B), scale=scale)
     return tuple(_unfold(t, B) for t in grads), (0, 0, 0)
+
+
+# ----------------------------------------------------------------------------- CUDA kernels
+# (No CPU implementation: tests/batching/rules/test_attention.py registers a CPU reference of each
+# for the duration of its tests.)
+
+_BIAS_ALIGN = 16   # elements; sdpa's pad_bias uses 8 for the efficient kernel, its grad 16
+
+
+def _fold_bias(bias, bdim, size):
+    """The efficient kernel's [N, H, L, S] bias with the examples folded into N, with every
+    stride but the last a multiple of ``_BIAS_ALIGN`` (padded storage, sliced back)."""
+    b = _fold(bias, bdim, size)
+    if all(st % _BIAS_ALIGN == 0 for st in b.stride()[:-1]):
+        return b
+    last = b.shape[-1]
+    if last % _BIAS_ALIGN == 0:
+        return b.contiguous()
+    return aten.constant_pad_nd.default(b, [0, -last % _BIAS_ALIGN]).narrow(-1, 0, last)
+
+
+def _logical_shape(t, bdim):
+    if bdim is None:
+        return tuple(t.shape)
+    return tuple(t.shape[:bdim % t.dim()]) + tuple(t.shape[bdim % t.dim() + 1:])
+
+
+def _check_bias(q, qd, bias, bd, k, kd):
+    """Decline a bias the kernel would refuse per example: it takes [N, H, L, S] exactly."""
+    if bias is None:
+        return
+    lq, lk = _logical_shape(q, qd), _logical_shape(k, kd)
+    if _logical_shape(bias, bd) != lq[:3] + lk[2:3]:
+        raise Decline()   # the kernel's own error, from the loop
+
+
+@register_batch_rule(aten._scaled_dot_product_efficient_attention.default)
+def efficient_attention_rule(info, in_dims, q, k, v, attn_bias, compute_log_sumexp,
+                             dropout_p=0.0, is_causal=False, *, scale=None):
+    _check_fusable((q, k, v), in_dims[:3], dropout_p)
+    _check_bias(q, in_dims[0], attn_bias, in_dims[3], k, in_dims[1])
+    B = info.batch_size
+    bias = None if attn_bias is None else _fold_bias(attn_bias, in_dims[3], B)
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention.default(
+        *(_fold(t, d, B) for t, d in zip((q, k, v), in_dims)), bias, compute_log_sumexp,
+        dropout_p, is_causal, scale=scale)
+    return (_unfold_n(out, B), _unfold_n(lse, B), seed, offset), (0, 0, None, None)
+
+
+@register_batch_rule(aten._scaled_dot_product_efficient_attention_backward.default)
+def efficient_attention_backward_rule(info, in_dims, grad, q, k, v, attn_bias, out, lse,
+                                      philox_seed, philox_offset, dropout_p, grad_input_mask,
+                                      is_causal=False, *, scale=None):
+    if grad is None or in_dims[7] is not None or in_dims[8] is not None:
+        raise Decline()
+    _check_fusable((grad, q, k, v, out), in_dims[:4] + in_dims[5:6], dropout_p)
+    if logical_rank(lse, in_dims[6]) != 3:
+        raise Decline()
+    _check_bias(q, in_dims[1], attn_bias, in_dims[4], k, in_dims[2])
+    B = info.batch_size
+    bias = None if attn_bias is None else _fold_bias(attn_bias, in_dims[4], B)
+    gq, gk, gv, gb = aten._scaled_dot_product_efficient_attention_backward.default(
+        *(_fold(t, d, B) for t, d in zip((grad, q, k, v), in_dims)), bias,
+        _fold(out, in_dims[5], B), _fold(lse, in_dims[6], B).contiguous(), philox_seed,
+        philox_offset, dropout_p, grad_input_mask, is_causal, scale=scale)
+    if gb is not None:
+        gb = _unfold_n(gb, B)
+    return ((_unfold_n(gq, B), _unfold_n(gk, B), _unfold_n(gv, B), gb),
+            (0, 0, 0, None if gb is None else 0))
+
+
+if hasattr(aten, "_scaled_dot_product_flash_attention"):
+    @register_batch_rule(aten._scaled_dot_product_flash_attention.default)
+    def flash_attention_rule(info, in_dims, q, k, v, dropout_p=0.0, is_causal=False,
+                             return_debug_mask=False, *, scale=None):
+        _check_fusable((q, k, v), in_dims[:3], dropout_p)
+        if return_debug_mask:
+            raise Decline()
+        B = info.batch_size
+        out, lse, cq, ck, max_q, max_k, rng, unused, debug = \
+            aten._scaled_dot_product_flash_attention.default(
+                *(_fold(t, d, B) for t, d in zip((q, k, v), in_dims)), dropout_p, is_causal,
+                return_debug_mask, scale=scale)
+        if cq is not None or ck is not None:
+            raise Decline()   # (dense inputs never give cumulative sequence lengths)
+        return ((_unfold_n(out, B), _unfold_n(lse, B), cq, ck, max_q, max_k, rng, unused,
+                 debug), (0, 0, None, None, None, None, None, None, None))
+
+if hasattr(aten, "_scaled_dot_product_flash_attention_backward"):
+    @register_batch_rule(aten._scaled_dot_product_flash_attention_backward.default)
+    def flash_attention_backward_rule(info, in_dims, grad, q, k, v, out, lse, cum_seq_q,
+                                      cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                                      philox_seed, philox_offset, *, scale=None):
+        if cum_seq_q is not None or cum_seq_k is not None or grad is None \
+                or in_dims[12] is not None or in_dims[13] is not None:
+            raise Decline()   # varlen inputs, or batched seeds: the loop
+        _check_fusable((grad, q, k, v, out), in_dims[:5], dropout_p)
+        if logical_rank(lse, in_dims[5]) != 3:
+            raise Decline()
+        B = info.batch_size
+        grads = aten._scaled_dot_product_flash_attention_backward.default(
+            *(_fold(t, d, B) for t, d in zip((grad, q, k, v, out), in_dims)),
+            _fold(lse, in_dims[5], B).contiguous(), cum_seq_q, cum_seq_k, max_q, max_k,
+            dropout_p, is_causal, philox_seed, philox_offset, scale=scale)
+        return tuple(_unfold_n(t, B) for t in grads), (0, 0, 0)
 
 
 # nn.TransformerEncoderLayer's inference fast path: one fused kernel over [N, S, E].  With shared
