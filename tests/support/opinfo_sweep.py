@@ -390,6 +390,12 @@ def run_torch(call, in_dims, nested, batched, expected,
     return ("fallback", "", tuple(slow)) if slow else ("rule", "", ())
 
 
+# Ops whose eager CPU kernels read some operands as contiguous memory whatever their strides
+# (native_group_norm's weight and bias): per-example eager calls on strided slices would give
+# layout-dependent values, so their oracle runs on contiguous examples (issue 25).
+READS_OPERANDS_AS_CONTIGUOUS = frozenset({"native_group_norm"})
+
+
 def run_check(op, k, flat: FlatSample, dims: tuple, nested: bool,
               with_torch: bool, device="cpu") -> List[Check]:
     fixes = DOMAIN.get(op.name, {})
@@ -408,6 +414,10 @@ def run_check(op, k, flat: FlatSample, dims: tuple, nested: bool,
         # its index, so eager's own per-example result would depend on where the example is
         # stored.  An example is a fresh tensor of its own (what vmap means by "one example").
         example_call = lambda *a: flat.call(*[t.clone() for t in a])  # noqa: E731
+    elif op.name in READS_OPERANDS_AS_CONTIGUOUS:
+        # Eager's kernel reads a non-contiguous operand as contiguous memory (a value that
+        # depends on the layout): the oracle is the op on contiguous examples.
+        example_call = lambda *a: flat.call(*[t.contiguous() for t in a])  # noqa: E731
     oracle_call = example_call
     if nested:
         oracle_call = lambda *a: loop_oracle(example_call, dims, SIZE, *a)  # noqa: E731

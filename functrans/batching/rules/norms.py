@@ -19,11 +19,13 @@ Invariants:
   buffers with an unbatched input are updated once, as any unbatched computation under vmap.
   The ``*_functional`` variants return new statistics instead, so they need no such check.
 * kernels that read an operand as contiguous memory without checking (group norm's weight,
-  bias, grad, mean, rstd; layer norm backward's mean, rstd) get contiguous physical operands.
-  A direct group norm call whose per-example operand is not contiguous gets, on the CPU, a
-  view of the memory the eager kernel reads for each example (``_as_eager_reads``), so it
-  matches the per-example eager calls; elsewhere, and in layer norm backward, such a call is
-  declined (the loop reproduces eager).
+  bias, grad, mean, rstd; layer norm backward's mean, rstd) get contiguous physical operands
+  made from the operands' LOGICAL values: the answer never depends on how a batched operand
+  is laid out in memory.  (Eager ``native_group_norm`` on a non-contiguous weight reads the
+  wrong memory, a layout-dependent value no layout-free program can ask for; the rule gives
+  what the op computes on contiguous examples, as torch.func does.  ``F.group_norm`` passes
+  contiguous operands, so it and the op agree.)  Layer norm backward with a non-contiguous
+  mean/rstd is declined (the loop reproduces eager).
   Statistics are returned contiguous per example.
 * an opaque cuDNN ``reserve`` output is passed through unbatched; a non-empty one reaching
   ``batch_norm_backward`` is declined (it describes a call this rule did not make).
@@ -34,7 +36,6 @@ from __future__ import annotations
 import torch
 
 from ...errors import UnsupportedUnderVmap
-from ..batched_tensor import BatchedTensor
 from ..helpers import ensure_bdim_front, move_bdim_to_front
 from ..registry import Decline, registrar
 
@@ -172,43 +173,11 @@ def _decline_noncontiguous(*operands):
             raise Decline()
 
 
-def _as_eager_reads(v, bdim):
-    """``(v, bdim)`` as the group norm kernels see it: they read each example's operand
-    (weight, bias, grad, mean, rstd) as ``numel`` contiguous elements from its data pointer,
-    whatever its strides (``F.group_norm`` and the autograd formulas pass contiguous ones; a
-    direct call may not).  A non-contiguous operand is replaced by a view of exactly that
-    memory (per example: the slice's storage offset, contiguous strides), so the batched call
-    computes what the per-example eager calls compute.  Declined when that memory is not
-    inside the operand's storage (the eager read would run past it), the operand is a
-    wrapper of a lower vmap level (it has no storage to view), or it is not on the CPU (the
-    contiguous reads were verified against the CPU kernels only; elsewhere the loop runs the
-    device's own kernel per example)."""
-    if v is None:
-        return v, bdim
-    example = v if bdim is None else v.select(bdim, 0)
-    if example.is_contiguous():
-        return v, bdim
-    if isinstance(v, BatchedTensor) or v.device.type != "cpu":
-        raise Decline()
-    shape = tuple(example.shape)
-    strides = tuple(torch.empty(shape, device="meta").stride())
-    offset = v.storage_offset()
-    storage_numel = v.untyped_storage().nbytes() // v.element_size()
-    if bdim is None:
-        if offset + example.numel() > storage_numel:
-            raise Decline()
-        return v.as_strided(shape, strides, offset), None
-    step = v.stride(bdim)
-    if step < 0 or offset + (v.shape[bdim] - 1) * step + example.numel() > storage_numel:
-        raise Decline()
-    return v.as_strided((v.shape[bdim],) + shape, (step,) + strides, offset), 0
-
-
 @register_batch_rule(aten.native_group_norm.default)
 def native_group_norm_rule(info, in_dims, x, w, b, N, C, HxW, group, eps):
     B = info.batch_size
     xb = in_dims[0]
-    (w, wb), (b, bb) = _as_eager_reads(w, in_dims[1]), _as_eager_reads(b, in_dims[2])
+    wb, bb = in_dims[1], in_dims[2]
     if xb is None:
         # Only the affine is batched: one affine-free call, then the batched affine.
         y, mean, rstd = aten.native_group_norm.default(x.contiguous(), None, None, N, C, HxW,
@@ -228,9 +197,7 @@ def native_group_norm_backward_rule(info, in_dims, grad, x, mean, rstd, w, N, C,
                                     output_mask):
     B = info.batch_size
     xb = in_dims[1]
-    (grad, gb_), (mean, mb), (rstd, rb), (w, wb) = (
-        _as_eager_reads(t, d) for t, d in ((grad, in_dims[0]), (mean, in_dims[2]),
-                                           (rstd, in_dims[3]), (w, in_dims[4])))
+    gb_, mb, rb, wb = in_dims[0], in_dims[2], in_dims[3], in_dims[4]
     gi, gw, gbias = aten.native_group_norm_backward.default(
         _fold_channels(grad, gb_, B), _fold_channels(x, xb, B), _fold_channels(mean, mb, B),
         _fold_channels(rstd, rb, B), _fold_per_channel(w, wb, B), N, B * C, HxW, B * group,

@@ -78,28 +78,46 @@ def test_native_group_norm_outputs():
     check_vmap_all_bdims(f, [X4, W])
 
 
-def test_native_group_norm_noncontiguous_operands_match_eager():
-    # The eager kernels read weight/bias/grad/mean/rstd as contiguous memory from each
-    # example's data pointer; the rule batches exactly those reads (strict: no loop).
-    f = lambda x, w: aten.native_group_norm(x, w, None, 4, 6, 5, 3, EPS)  # noqa: E731
-    check_vmap(f, [X, W], (0, -1))
-    g = lambda x, w, b: aten.native_group_norm(x, w, b, 4, 6, 5, 3, EPS)  # noqa: E731
-    check_vmap(g, [X, W, BIAS], (0, 0, -1))
-    check_vmap(g, [X, W, BIAS], (None, -1, -1))
-    strided = torch.randn(12, generator=torch.Generator().manual_seed(3))[::2]  # unbatched
-    check_vmap(lambda x: g(x, strided, None), [X], (0,))
+def _contiguous_loop(f, args, in_dims):
+    """The loop over CONTIGUOUS examples: what the op computes, whatever the layout."""
+    n = next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
+    outs = [f(*[a if d is None else a.select(d, i).contiguous() for a, d in zip(args, in_dims)])
+            for i in range(n)]
+    return [None if o[0] is None else torch.stack(o) for o in zip(*outs)]
 
-    def bwd(grad, x):
-        _, mean, rstd = aten.native_group_norm(x, W, None, 4, 6, 5, 3, EPS)
-        return aten.native_group_norm_backward(grad, x, mean, rstd, W, 4, 6, 5, 3,
-                                               [True, True, True])
-    check_vmap(bwd, [torch.randn_like(X), X], (-1, 0))
 
-    def bwd_stats(grad, x, mean, rstd, w):
-        return aten.native_group_norm_backward(grad, x, mean, rstd, w, 4, 6, 5, 3,
+@pytest.mark.parametrize("layout", ["stacked last", "sliced"])
+def test_native_group_norm_answer_does_not_depend_on_the_layout(layout):
+    """Issue 25's repro: every batched operand with its batch dim physically last (eager's
+    kernel reads a non-contiguous weight as contiguous memory: a layout-dependent value).  The
+    rule gives the op's value on contiguous examples, as torch.func does."""
+    g = torch.Generator().manual_seed(5)
+    N, C, HW, G, B = 2, 4, 3, 2, 3
+    f = lambda x, w, b: aten.native_group_norm(x, w, b, N, C, HW, G, 0.5)  # noqa: E731
+    examples = [(torch.randn(N, C, HW, generator=g), torch.randn(C, generator=g),
+                 torch.randn(C, generator=g)) for _ in range(B)]
+    if layout == "stacked last":        # the batch physically contiguous in the last position
+        args = [torch.stack(t, dim=-1) for t in zip(*examples)]
+    else:                               # a strided slice of a wider buffer
+        args = [torch.stack(t, dim=-1).repeat_interleave(2, -1)[..., ::2] for t in zip(*examples)]
+    for in_dims in [(-1, -1, -1), (-1, None, None), (None, -1, -1), (-1, -1, None)]:
+        call = [a if d is not None else a[..., 0].contiguous() for a, d in zip(args, in_dims)]
+        with ft.config.strict_fallback():
+            got = ft.vmap(f, in_dims=in_dims)(*call)
+        want = _contiguous_loop(f, call, in_dims)
+        assert_same(list(got), want, rtol=1e-5, atol=1e-6)
+        assert_same(list(got), list(torch.func.vmap(f, in_dims=in_dims)(*call)),
+                    rtol=1e-5, atol=1e-6)
+
+    def bwd(grad, x, w):
+        _, mean, rstd = aten.native_group_norm(x, w, None, N, C, HW, G, 0.5)
+        return aten.native_group_norm_backward(grad, x, mean, rstd, w, N, C, HW, G,
                                                [True, True, True])
-    _, mean, rstd = aten.native_group_norm(X, W, None, 4, 6, 5, 3, EPS)
-    check_vmap(bwd_stats, [torch.randn_like(X), X, mean, rstd.abs() + 0.5, W], (0, 0, -1, -1, -1))
+    grad = torch.randn(N, C, HW, B, generator=g)
+    bargs = [grad, args[0].contiguous(), args[1]]
+    with ft.config.strict_fallback():
+        got = ft.vmap(bwd, in_dims=(-1, -1, -1))(*bargs)
+    assert_same(list(got), _contiguous_loop(bwd, bargs, (-1, -1, -1)), rtol=1e-4, atol=1e-5)
 
 
 def test_native_group_norm_under_vmap_of_vjp_vs_torch_func():
