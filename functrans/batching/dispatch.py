@@ -232,6 +232,22 @@ def _wrap(out, out_dims, level):
     return type(out)(_wrap(o, d, level) for o, d in zip(out, out_dims))
 
 
+def _restrides_only_unit_dims(t, args, kwargs) -> bool:
+    """``t.as_strided_(size, stride[, offset])`` that keeps ``t``'s logical shape and offset and
+    changes only the strides of size-1 dims: the same values in another layout, so a batched
+    ``t`` can stay as it is (ATen's ``adaptive_avg_pool2d(x, 1)`` of a channels_last input
+    restrides its ``[N, C, 1, 1]`` mean so: issue 25, timm's ConvNeXt)."""
+    size = args[1] if len(args) > 1 else kwargs.get("size")
+    stride = args[2] if len(args) > 2 else kwargs.get("stride")
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    if size is None or stride is None or tuple(size) != tuple(t.shape) \
+            or len(stride) != len(size):
+        return False
+    if offset is not None and offset != t.storage_offset():
+        return False
+    return all(n == 1 or s == cur for n, s, cur in zip(size, stride, t.stride()))
+
+
 def run_inplace_view(op, args, kwargs, level):
     """``x.squeeze_()``, ``x.unsqueeze_(d)``, ``x.transpose_(a, b)``...: run the out-of-place
     op, then rebind the wrapper to its result and update the wrapper's logical metadata.
@@ -249,6 +265,9 @@ def run_inplace_view(op, args, kwargs, level):
             return self_
         if tuple(self_.shape) == tuple(args[1].shape) and len(args) < 3 and not kwargs:
             return self_
+    if name == "as_strided" and type(self_) is _BT and self_.level is level \
+            and _restrides_only_unit_dims(self_, args, kwargs):
+        return self_
     functional = getattr(torch.ops.aten, name, None) if name != "as_strided" else None
     if type(self_) is not _BT or self_.level is not level or functional is None:
         raise UnsupportedUnderVmap(

@@ -78,3 +78,25 @@ def test_max_unpool_gradients_strict(name):
     with ft.config.strict_fallback():
         got = ft.vmap(ft.grad(f))(xs)
     assert_same(got, torch.func.vmap(torch.func.grad(f))(xs))
+
+
+def test_adaptive_avg_pool_to_one_of_channels_last_examples():
+    """Issue 25 (timm's ConvNeXt ensemble): ``adaptive_avg_pool2d(x, 1)`` of a channels_last
+    input restrides its [N, C, 1, 1] mean with ``as_strided_`` (a layout change of size-1 dims
+    only: the same values); under vmap, and through its gradient, it runs without the loop and
+    gives the loop's values.  A value-changing ``as_strided_`` is still refused."""
+    from functrans.errors import UnsupportedUnderVmap
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 4, 4, 5, generator=g).permute(0, 1, 4, 2, 3)   # channels_last examples
+    assert x[0].is_contiguous(memory_format=torch.channels_last)
+    f = lambda t: F.adaptive_avg_pool2d(t, 1)  # noqa: E731
+    with ft.config.strict_fallback():
+        got = ft.vmap(f)(x)
+        grads = ft.vmap(ft.grad(lambda t: (f(t) * t.mean()).sum()))(x)
+    assert_same(got, torch.stack([f(t) for t in x]))
+    loop = [torch.autograd.grad((f(t) * t.mean()).sum(), t)[0]
+            for t in (e.detach().requires_grad_() for e in x)]
+    assert_same(grads, torch.stack(loop), rtol=1e-5, atol=1e-6)
+    with pytest.raises(UnsupportedUnderVmap, match="as_strided_"):
+        ft.vmap(lambda t: t.clone().as_strided_((2, 2), (1, 2)))(torch.randn(3, 4))
