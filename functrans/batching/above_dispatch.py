@@ -338,13 +338,19 @@ def _batched_like(h, level):
     return h + BatchedTensor(zeros, 0, level)
 
 
-def batch_initial_state(name, args):
+def _live_level(args):
+    level = top_level(args)
+    return level if level is not None and level.alive else None
+
+
+def batch_initial_state(name, args, level=None):
     """``args`` of the RNN entry point ``name`` with its hidden state batched whenever another
-    argument is batched; None when nothing needs to change."""
+    argument is batched (at ``level``, the args' live top level, found when not given); None
+    when nothing needs to change."""
     if name not in RNN_ENTRY_POINTS or len(args) < 3:
         return None
-    level = top_level(args)
-    if level is None or not level.alive:
+    level = level or _live_level(args)
+    if level is None:
         return None
     if name.endswith("_cell") or isinstance(args[1], (list, tuple)) or \
             (name != "lstm" and isinstance(args[2], (list, tuple))):
@@ -374,15 +380,13 @@ def _on_cuda(args) -> bool:
     return False
 
 
-def needs_native_path(name, args) -> bool:
+def needs_native_path(name, args, level=None) -> bool:
     """Whether the RNN entry point ``name`` must run with cuDNN disabled: a full-sequence entry
-    point under vmap with a batched argument and a tensor on CUDA (Note [RNN initial state])."""
+    point under vmap with a batched argument (``level``, found when not given) and a tensor on
+    CUDA (Note [RNN initial state])."""
     if name not in FULL_SEQUENCE_ENTRY_POINTS:
         return False
-    level = top_level(args)
-    if level is None or not level.alive:
-        return False
-    return _on_cuda(args)
+    return (level or _live_level(args)) is not None and _on_cuda(args)
 
 
 class _cudnn_disabled:
@@ -403,9 +407,10 @@ def hook_rnn_entry_point(name, original):
     says: the initial state batched, and cuDNN disabled when ``needs_native_path``."""
 
     def hooked(*args, **kwargs):
-        if _levels.stack():
-            native = needs_native_path(name, args)
-            new = batch_initial_state(name, args)
+        level = _live_level(args) if _levels.stack() else None
+        if level is not None:
+            native = needs_native_path(name, args, level)
+            new = batch_initial_state(name, args, level)
             if new is not None:
                 args = new
             if native:

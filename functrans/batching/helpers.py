@@ -29,6 +29,19 @@ def ensure_bdim_front(x: torch.Tensor, bdim: Optional[int], size: int) -> torch.
     return move_bdim_to_front(x, bdim)
 
 
+def fold_bdim_into_dim0(x: torch.Tensor, bdim: Optional[int], size: int) -> torch.Tensor:
+    """``[B, N, ...]`` (the batch dim moved first; an unbatched ``x`` expanded) as
+    ``[B*N, ...]``: the vmap batch joined with the op's own leading batch dim."""
+    X = ensure_bdim_front(x, bdim, size)
+    return X.reshape((size * X.shape[1],) + tuple(X.shape[2:]))
+
+
+def split_dim0(y: torch.Tensor, size: int) -> torch.Tensor:
+    """``[B*N, ...]`` as ``[B, N, ...]`` (the inverse of ``fold_bdim_into_dim0``; ``N`` from the
+    sizes, never inferred, so a tensor with a 0-sized dim splits too)."""
+    return y.reshape((size, y.shape[0] // size) + tuple(y.shape[1:]))
+
+
 def normalize_dim(dim: int, rank: int) -> int:
     """Wrap a possibly negative logical dim into ``[0, rank)`` (0-d tensors accept 0 and -1)."""
     r = max(rank, 1)

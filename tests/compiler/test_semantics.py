@@ -640,3 +640,27 @@ def test_inductor_keeps_in_place_updates_and_autograd():
             torch.testing.assert_close(wg.grad, w * torch.cos(w * wg.detach()))
     info = compiled.cache_info()
     assert info.hits == 2 and info.entries[0].backend == "inductor", info
+
+
+def test_the_inductor_backend_leaves_the_traced_graph_as_it_was():
+    """inductor.build lifts the graph's constants to inputs on a copy: the traced graph, which
+    the compiled function replays if Inductor then fails (and the cudagraphs backend captures
+    if Inductor cannot take it), keeps its get_attr constants and its inputs."""
+    import torch.fx as fx
+    from functrans.compiler.backends import inductor, replay
+
+    class AddBuffer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("c", torch.randn(3))
+
+        def forward(self, x):
+            return [x + self.c]        # traced graphs return a list
+
+    gm = fx.symbolic_trace(AddBuffer())
+    before = [(n.op, str(n.target)) for n in gm.graph.nodes]
+    x = torch.randn(3)
+    inductor.build(gm, [x], RuntimeError)
+    assert [(n.op, str(n.target)) for n in gm.graph.nodes] == before
+    (out,) = replay.build(gm, keep_autograd=False)([x])
+    torch.testing.assert_close(out, x + gm.c)

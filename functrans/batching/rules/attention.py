@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from ..helpers import ensure_bdim_front, logical_rank, physical_dim
+from ..helpers import (ensure_bdim_front, fold_bdim_into_dim0, logical_rank, physical_dim,
+                       split_dim0)
 from ..registry import Decline, registrar
 
 aten = torch.ops.aten
@@ -50,25 +51,14 @@ def safe_softmax_rule(info, in_dims, x, dim, dtype=None):
 def _fold(t, bdim, size):
     """[B, N, ...] -> [B*N, ...] (an unbatched ``t`` is expanded first), with a unit stride in
     the last dim: the CPU kernel misreads tensors whose last dim is strided (torch 2.13)."""
-    T = ensure_bdim_front(t, bdim, size)
-    T = T.reshape((-1,) + T.shape[2:])
+    T = fold_bdim_into_dim0(t, bdim, size)
     return T if T.dim() < 2 or T.stride(-1) == 1 else T.contiguous()
 
 
 def _fold_mask(mask, size):
     if mask is None or mask.dim() == 2 or mask.shape[0] == 1:
         return mask
-    return mask.expand((size,) + mask.shape).reshape((-1,) + mask.shape[1:])
-
-
-def _unfold(t, size):
-    return t.reshape((size, -1) + t.shape[1:])
-
-
-def _unfold_n(t, size):
-    """[B*N, ...] -> [B, N, ...]: the leading dim split without inferring a size (the
-    efficient kernel's log_sumexp can have 0 columns)."""
-    return t.reshape((size, t.shape[0] // size) + t.shape[1:])
+    return fold_bdim_into_dim0(mask, None, size)
 
 
 def _check_fusable(tensors, in_dims, dropout_p):
@@ -86,7 +76,7 @@ def flash_attention_cpu_rule(info, in_dims, q, k, v, dropout_p=0.0, is_causal=Fa
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(
         *(_fold(t, d, B) for t, d in zip((q, k, v), in_dims)), dropout_p, is_causal,
         attn_mask=_fold_mask(attn_mask, B), scale=scale)
-    return (_unfold(out, B), _unfold(lse, B)), (0, 0)
+    return (split_dim0(out, B), split_dim0(lse, B)), (0, 0)
 
 
 @register_batch_rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
@@ -97,7 +87,7 @@ def flash_attention_cpu_backward_rule(info, in_dims, grad, q, k, v, out, lse, dr
     folded = [_fold(t, d, B) for t, d in zip((grad, q, k, v, out, lse), in_dims)]
     grads = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
         *folded, dropout_p, is_causal, attn_mask=_fold_mask(attn_mask, B), scale=scale)
-    return tuple(_unfold(t, B) for t in grads), (0, 0, 0)
+    return tuple(split_dim0(t, B) for t in grads), (0, 0, 0)
 
 
 # ----------------------------------------------------------------------------- CUDA kernels
@@ -144,7 +134,7 @@ def efficient_attention_rule(info, in_dims, q, k, v, attn_bias, compute_log_sume
     out, lse, seed, offset = aten._scaled_dot_product_efficient_attention.default(
         *(_fold(t, d, B) for t, d in zip((q, k, v), in_dims)), bias, compute_log_sumexp,
         dropout_p, is_causal, scale=scale)
-    return (_unfold_n(out, B), _unfold_n(lse, B), seed, offset), (0, 0, None, None)
+    return (split_dim0(out, B), split_dim0(lse, B), seed, offset), (0, 0, None, None)
 
 
 @register_batch_rule(aten._scaled_dot_product_efficient_attention_backward.default)
@@ -164,8 +154,8 @@ def efficient_attention_backward_rule(info, in_dims, grad, q, k, v, attn_bias, o
         _fold(out, in_dims[5], B), _fold(lse, in_dims[6], B).contiguous(), philox_seed,
         philox_offset, dropout_p, grad_input_mask, is_causal, scale=scale)
     if gb is not None:
-        gb = _unfold_n(gb, B)
-    return ((_unfold_n(gq, B), _unfold_n(gk, B), _unfold_n(gv, B), gb),
+        gb = split_dim0(gb, B)
+    return ((split_dim0(gq, B), split_dim0(gk, B), split_dim0(gv, B), gb),
             (0, 0, 0, None if gb is None else 0))
 
 
@@ -183,7 +173,7 @@ if hasattr(aten, "_scaled_dot_product_flash_attention"):
                 return_debug_mask, scale=scale)
         if cq is not None or ck is not None:
             raise Decline()   # (dense inputs never give cumulative sequence lengths)
-        return ((_unfold_n(out, B), _unfold_n(lse, B), cq, ck, max_q, max_k, rng, unused,
+        return ((split_dim0(out, B), split_dim0(lse, B), cq, ck, max_q, max_k, rng, unused,
                  debug), (0, 0, None, None, None, None, None, None, None))
 
 if hasattr(aten, "_scaled_dot_product_flash_attention_backward"):
@@ -202,7 +192,7 @@ if hasattr(aten, "_scaled_dot_product_flash_attention_backward"):
             *(_fold(t, d, B) for t, d in zip((grad, q, k, v, out), in_dims)),
             _fold(lse, in_dims[5], B).contiguous(), cum_seq_q, cum_seq_k, max_q, max_k,
             dropout_p, is_causal, philox_seed, philox_offset, scale=scale)
-        return tuple(_unfold_n(t, B) for t in grads), (0, 0, 0)
+        return tuple(split_dim0(t, B) for t in grads), (0, 0, 0)
 
 
 # nn.TransformerEncoderLayer's inference fast path: one fused kernel over [N, S, E].  With shared

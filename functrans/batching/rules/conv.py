@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..helpers import ensure_bdim_front, logical_rank, move_bdim_to_front
+from ..helpers import (ensure_bdim_front, fold_bdim_into_dim0, logical_rank,
+                       move_bdim_to_front, split_dim0)
 from ..registry import Decline, registrar
 
 aten = torch.ops.aten
@@ -66,12 +67,6 @@ def convolution_rule(info, in_dims, x, w, bias, stride, padding, dilation, trans
     return out.view(out.shape[0], B, -1, *out.shape[2:]), 1
 
 
-def _batch_into_n(t, bdim, B):
-    """[B, N, C, *s] (or unbatched [N, C, *s], expanded) -> [B*N, C, *s]."""
-    T = ensure_bdim_front(t, bdim, B)
-    return T.reshape(B * T.shape[1], *T.shape[2:])
-
-
 @register_batch_rule(aten.convolution_backward.default)
 def convolution_backward_rule(info, in_dims, grad, x, w, bias_sizes, stride, padding, dilation,
                               transposed, output_padding, groups, output_mask):
@@ -89,10 +84,10 @@ def convolution_backward_rule(info, in_dims, grad, x, w, bias_sizes, stride, pad
     mask = list(output_mask)
     folded = None
     if wb is None and mask[0]:
-        gi = conv_backward(_batch_into_n(grad, gb, B), _batch_into_n(x, xb, B), w, None, stride,
-                           padding, dilation, transposed, output_padding, groups,
+        gi = conv_backward(fold_bdim_into_dim0(grad, gb, B), fold_bdim_into_dim0(x, xb, B), w,
+                           None, stride, padding, dilation, transposed, output_padding, groups,
                            [True, False, False])[0]
-        folded = gi.view(B, -1, *gi.shape[1:])
+        folded = split_dim0(gi, B)
         mask[0] = False
     gi = gw = gbias = None
     if any(mask):

@@ -23,8 +23,7 @@ Imports: compiler.passes, compiler.backends.replay, compiler.backends.inductor.
 """
 from __future__ import annotations
 
-import copy
-from typing import Callable, List, Optional
+from typing import Callable, List, Set
 
 import torch
 import torch.fx as fx
@@ -41,28 +40,22 @@ def _storage_uses(t: torch.Tensor) -> int:
 
 
 class _Captured:
-    """One CUDA graph, its static outputs and how many holders their storages have when only
-    this backend holds them."""
+    """One CUDA graph, its static outputs, how many holders their storages have when only this
+    backend holds them, and which outputs share an input's storage (those are returned cloned:
+    the next call's input copy would overwrite them)."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: List[torch.Tensor]):
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: List[torch.Tensor],
+                 input_storages: Set[int]):
         self.graph, self.outputs = graph, outputs
         self.baseline = [_storage_uses(o) for o in outputs]
+        self.aliases_input = [o.untyped_storage().data_ptr() in input_storages for o in outputs]
 
     def free(self) -> bool:
         return all(_storage_uses(o) == n for o, n in zip(self.outputs, self.baseline))
 
-
-def _inner_runs(gm: fx.GraphModule, inputs: List[torch.Tensor], unavailable):
-    """``[(name, run)]``: Inductor's compiled graph first (built on a copy of the graph), then
-    the replay."""
-    runs = []
-    try:
-        runs.append(("inductor", inductor.build(fx.GraphModule(gm, copy.deepcopy(gm.graph)),
-                                                inputs, unavailable)))
-    except Exception as exc:                # noted below with the replay's reason
-        runs.append(("inductor", exc))
-    runs.append(("replay", replay.build(gm, keep_autograd=False)))
-    return runs
+    def results(self) -> list:
+        return [o.clone() if alias else o.detach()
+                for o, alias in zip(self.outputs, self.aliases_input)]
 
 
 def build(gm: fx.GraphModule, inputs: List[torch.Tensor], needs_autograd: bool,
@@ -85,29 +78,21 @@ def build(gm: fx.GraphModule, inputs: List[torch.Tensor], needs_autograd: bool,
         for s, t in zip(static_inputs, inputs):
             s.copy_(t)
     notes: List[str] = []
-    inner: Optional[Callable[[list], list]] = None
-    for name, candidate in _inner_runs(gm, inputs, unavailable):
-        if isinstance(candidate, Exception):
-            notes.append(f"Inductor could not take the graph ({candidate}); the replay is "
-                         "captured")
-            continue
-        try:
-            _warm_up(candidate, static_inputs, device)
-            inner = candidate
-            break
-        except Exception as exc:
-            if name == "replay":
-                raise
-            notes.append(f"Inductor failed on the graph ({type(exc).__name__}: {exc}); the "
-                         "replay is captured")
-    assert inner is not None
+    try:       # Inductor's kernels, else the replay (inductor.build leaves ``gm`` as it was)
+        inner = inductor.build(gm, inputs, unavailable)
+        _warm_up(inner, static_inputs, device)
+    except Exception as exc:
+        notes.append(f"Inductor could not take the graph ({type(exc).__name__}: {exc}); the "
+                     "replay is captured")
+        inner = replay.build(gm, keep_autograd=False)
+        _warm_up(inner, static_inputs, device)
     input_storages = {t.untyped_storage().data_ptr() for t in static_inputs}
 
     def capture() -> _Captured:
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph):
             outputs = list(inner(static_inputs))
-        return _Captured(graph, outputs)
+        return _Captured(graph, outputs, input_storages)
 
     captured = [capture()]
 
@@ -121,10 +106,10 @@ def build(gm: fx.GraphModule, inputs: List[torch.Tensor], needs_autograd: bool,
                 g = capture()
                 captured.append(g)
             if g is None:          # every graph's outputs are held: run without a CUDA graph
-                return list(inner(static_inputs))
+                return [o.clone() if o.untyped_storage().data_ptr() in input_storages else o
+                        for o in inner(static_inputs)]
             g.graph.replay()
-            return [o.clone() if o.untyped_storage().data_ptr() in input_storages
-                    else o.detach() for o in g.outputs]
+            return g.results()
 
     run.notes = notes
     run.captured = captured

@@ -18,6 +18,7 @@ Imports: functionalization.
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable, List
 
 import torch
@@ -27,8 +28,10 @@ from ...functionalization import functionalize
 
 
 def _lift_constants(gm: fx.GraphModule) -> tuple:
-    """A graph module taking the constants as trailing inputs, and the constant tensors."""
-    graph = gm.graph
+    """A graph module taking the constants as trailing inputs, and the constant tensors.  Made
+    on a copy of ``gm``'s graph: ``gm`` is left as it was (the compiled function's replay
+    fallback and the cudagraphs backend's both replay it)."""
+    graph = copy.deepcopy(gm.graph)
     constants = []
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"]
     anchor = last_placeholder[-1] if last_placeholder else next(iter(graph.nodes))
