@@ -47,14 +47,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import fcntl
 import functools
 import gc
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -70,6 +68,7 @@ from torch import nn
 
 import functrans as ft
 
+from . import table
 from .workloads import LIBS, SmallCNN, _mlp, _mlp_params, _xent
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -337,29 +336,11 @@ SMOKE_SIZES = {"B=4096": 8, "B=512": 6, "B=64": 4}
 # --- one row, in its own process -------------------------------------------------------------
 
 def _why(e: BaseException) -> str:
-    """The exception's first line; for a failed comparison, with its mismatch and greatest
+    """``table._why`` (the first line) and, for a failed comparison, its mismatch and greatest
     differences."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    if not lines:
-        return type(e).__name__
-    keep = [lines[0][:200]] + [ln[:160] for ln in lines[1:] if ln.startswith(
+    extra = [ln.strip()[:160] for ln in str(e).strip().splitlines()[1:] if ln.strip().startswith(
         ("Mismatched", "Greatest", "The failure occurred"))]
-    return f"{type(e).__name__}: {' '.join(keep)}"
-
-
-def _assert_agree(got, want, spec: Spec, what: str) -> None:
-    got_leaves, got_spec = pytree.tree_flatten(got)
-    want_leaves, want_spec = pytree.tree_flatten(want)
-    if got_spec != want_spec:
-        raise AssertionError(f"{what}: result structure differs from torch.func's")
-    for g, w in zip(got_leaves, want_leaves):
-        torch.testing.assert_close(g, w, rtol=spec.rtol, atol=spec.atol,
-                                   msg=lambda m: f"{what}: {m}")
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return " ".join([table._why(e)] + extra)
 
 
 class _Timer:
@@ -392,11 +373,11 @@ def _transient_of_one_call(fn, device) -> Optional[int]:
     included)."""
     if device.type != "cuda":
         return None
-    _sync(device)
+    table._sync(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     out = fn()
-    _sync(device)
+    table._sync(device)
     transient = torch.cuda.max_memory_allocated(device) - before
     del out
     return transient
@@ -441,7 +422,7 @@ class _Checker:
 
     def __call__(self, got, name: str) -> None:
         try:
-            _assert_agree(got, self.want, self.spec, name)
+            table._assert_agree(got, self.want, self.spec, name)
             return
         except AssertionError as e:
             differs = _why(e).removeprefix("AssertionError: ")
@@ -467,7 +448,7 @@ def _build_cells(w: GpuWorkload, spec: Spec, device, smoke: bool, result: dict) 
     check = _Checker(spec, spec.make(torch.func)(*args), result["numerics"])
 
     def add(name, make_fn, check_info=None):
-        _sync(device)
+        table._sync(device)
         gc.collect()
         base = _allocated(device)
         try:
@@ -477,7 +458,7 @@ def _build_cells(w: GpuWorkload, spec: Spec, device, smoke: bool, result: dict) 
             # (and forbid reading) a result once the function is called again
             check(fn(*args), name)
             check(fn(*args), name)
-            _sync(device)
+            table._sync(device)
             seconds = time.perf_counter() - t0
             if check_info is not None:
                 check_info(fn)
@@ -489,17 +470,17 @@ def _build_cells(w: GpuWorkload, spec: Spec, device, smoke: bool, result: dict) 
 
     for name, m in LIBS.items():
         if name == "functrans":
-            def strict(fn=spec.make(ft)):
-                def run(*a):
-                    with ft.record_fallbacks() as report, ft.config.strict_fallback():
-                        out = fn(*a)
-                    if len(report):
-                        raise AssertionError(f"functrans ran the loop fallback: {report}")
-                    return out
-                return run
-            add(name, strict)
-            if name in cells:      # time the plain callable, not the checking wrapper
-                cells[name]["fn"] = functools.partial(spec.make(ft), *args)
+            ft_fn = spec.make(ft)
+
+            def strict_run(*a):          # checked without the loop fallback, timed without
+                with ft.record_fallbacks() as report, ft.config.strict_fallback():
+                    out = ft_fn(*a)
+                if len(report):
+                    raise AssertionError(f"functrans ran the loop fallback: {report}")
+                return out
+            add(name, lambda: strict_run)
+            if name in cells:
+                cells[name]["fn"] = functools.partial(ft_fn, *args)
         else:
             add(name, lambda m=m: spec.make(m))
     for name, backend in FT_COMPILED.items():
@@ -527,7 +508,6 @@ def _build_cells(w: GpuWorkload, spec: Spec, device, smoke: bool, result: dict) 
                          "scale": w.loop_scale if loop_spec is not spec else 1.0}
     except Exception as e:
         errors["loop"] = _why(e)
-    del check, loop_check
     return cells
 
 
@@ -552,12 +532,12 @@ def _profile(fn, device, calls: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     fn()
-    _sync(device)
+    table._sync(device)
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        _sync(device)
+        table._sync(device)
         wall = (time.perf_counter() - t0) / calls
     events = prof.key_averages()
     attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") \
@@ -631,24 +611,8 @@ SHORT = {"functrans": "ft", "torch.func": "torch.func", "ft.compile replay": "ft
          "loop": "loop"}
 
 
-def _ms(s: Optional[float]) -> str:
-    if s is None:
-        return "–"
-    ms = s * 1e3
-    return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.0f}"
-
-
 def _mb(b: Optional[int]) -> str:
     return "–" if b is None else f"{b / 2**20:.0f}" if b >= 2**20 else f"{b / 2**20:.2f}"
-
-
-def _render(head, rows, markdown: bool) -> str:
-    if markdown:
-        return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-                         + ["| " + " | ".join(r) + " |" for r in rows])
-    widths = [max([len(h)] + [len(r[i]) for r in rows if i < len(r)]) for i, h in enumerate(head)]
-    fmt = lambda r: "  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip()
-    return "\n".join([fmt(head), fmt(["-" * wd for wd in widths])] + [fmt(r) for r in rows])
 
 
 def format_tables(results: List[dict], markdown: bool) -> str:
@@ -666,14 +630,14 @@ def format_tables(results: List[dict], markdown: bool) -> str:
             if c in r["errors"]:
                 cells.append("FAILED")
             else:
-                cells.append(_ms(t.get(c)) + ("*" if c == "loop" and r.get("loop_scale") and c in t
-                                               else ""))
+                cells.append(table._ms(t.get(c)) + ("*" if c == "loop" and r.get("loop_scale")
+                                                     and c in t else ""))
         ratio = lambda a, b: f"{t[a] / t[b]:.2f}" if a in t and b in t else "–"
         rows.append([r["workload"], r["size"]] + cells + [
             ratio("functrans", "torch.func"),
             ratio("ft.compile cudagraphs", "torch.compile reduce-overhead"),
             f"{t['loop'] / t['functrans']:.1f}×" if "loop" in t and "functrans" in t else "–"])
-    times = _render(head, rows, markdown)
+    times = table._render(head, rows, markdown)
     head2 = ["workload", "size"] + [f"{SHORT[c]} MB" for c in CELLS if c != "loop"] + [
         "ft / torch.func memory", "targets"]
     rows2 = []
@@ -686,7 +650,7 @@ def format_tables(results: List[dict], markdown: bool) -> str:
         rows2.append([r["workload"], r["size"]] + [_mb(m.get(c)) for c in CELLS if c != "loop"]
                      + [mem_ratio, "; ".join(f"{label} {'met' if met else 'MISSED'}"
                                              for label, met, _ in r.get("targets", [])) or "–"])
-    memory = _render(head2, rows2, markdown)
+    memory = table._render(head2, rows2, markdown)
     failures = [f"- {r['id']} {c}: {e}" for r in results for c, e in r.get("errors", {}).items()]
     text = (f"Time per call (median of CUDA-event samples; * = loop measured on fewer examples "
             f"and scaled linearly):\n\n{times}\n\nPeak memory of one steady-state call: what the "
@@ -701,14 +665,6 @@ def format_tables(results: List[dict], markdown: bool) -> str:
         text += ("\n\nCells that differ from torch.func beyond the row's tolerance but are as "
                  "accurate (normwise relative error against a float64 run):\n" + "\n".join(judged))
     return text
-
-
-def describe(device: torch.device) -> str:
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else f"{platform.machine()} CPU")
-    cuda = f", CUDA {torch.version.cuda}" if device.type == "cuda" else ""
-    return (f"{where}; torch {torch.__version__}{cuda}, functrans {ft.__version__}, Python "
-            f"{platform.python_version()}; {datetime.date.today().isoformat()}")
 
 
 def _setup(device: torch.device) -> None:
@@ -767,7 +723,7 @@ def main(argv=None) -> int:
 
 
 def _run_all(chosen: List[GpuWorkload], device, args) -> int:
-    print(describe(device), flush=True)
+    print(table.describe(device), flush=True)
     start = time.perf_counter()
     lock = tempfile.NamedTemporaryFile(prefix="ft-gpu-bench-", suffix=".lock", delete=False).name
     pending, running, results = list(chosen), [], {}
@@ -833,24 +789,18 @@ def _render_saved(args) -> int:
     if args.markdown:
         Path(args.markdown).write_text(md + "\n")
     if args.update_readme:
-        from .table import README
-        start, end = "<!-- bench:gpu:start -->", "<!-- bench:gpu:end -->"
-        text = README.read_text()
-        if start not in text or end not in text:
-            raise SystemExit(f"{README} has no {start} ... {end} section to update")
-        README.write_text(text[:text.index(start) + len(start)] + "\n" + md + "\n"
-                          + text[text.index(end):])
+        table.update_readme(md, torch.device("cuda"), readme=table.README)
     return 0
 
 
 def _write(args, device, ordered: List[dict], not_run: List[str]) -> str:
-    text = f"{describe(device)}\n\n{format_tables(ordered, markdown=False)}"
+    text = f"{table.describe(device)}\n\n{format_tables(ordered, markdown=False)}"
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": describe(device), "rows": ordered,
+        Path(args.json).write_text(json.dumps({"device": table.describe(device), "rows": ordered,
                                                "not_run": not_run}, indent=1))
     if args.markdown:
         Path(args.markdown).write_text(
-            f"{describe(device)}\n\n{format_tables(ordered, markdown=True)}\n")
+            f"{table.describe(device)}\n\n{format_tables(ordered, markdown=True)}\n")
     return text
 
 

@@ -339,7 +339,7 @@ def format_table(results: List[dict], markdown: bool) -> str:
 
 def describe(device: torch.device) -> str:
     if device.type == "cuda":
-        where = torch.cuda.get_device_name(device)
+        where = f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
     else:
         where = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} torch thread(s)"
     return (f"{where}; torch {torch.__version__}, functrans {ft.__version__}, Python "

@@ -18,21 +18,11 @@ def _clean_levels_and_seed():
 
 @pytest.fixture(autouse=True)
 def _float32_stays_float32_on_cuda():
-    """On a GPU, cuDNN's convolutions use TF32 by default (10-bit mantissas on Ampere and later),
-    which moves results by ~1e-3, past the float32 tolerances of the oracles: on an H200 a
-    BatchNorm ensemble (grouped conv) and its per-member loop differed by 5e-4.  Every test
-    computes float32 in float32.  The flag is set through torch._C: assigning
-    ``torch.backends.cudnn.allow_tf32`` raises once op_db is imported, and ``cudnn.flags()``
-    would also reset the flags it is not given.  Nothing to do without CUDA."""
-    if not torch.cuda.is_available():
+    """Every test computes float32 in float32 on a GPU (``oracles.float32_on_cuda``: cuDNN's
+    default TF32 made a BatchNorm ensemble and its per-member loop differ by 5e-4 on an H200)."""
+    from tests.support.oracles import float32_on_cuda
+    with float32_on_cuda():
         yield
-        return
-    before = torch._C._get_cudnn_allow_tf32()
-    torch._C._set_cudnn_allow_tf32(False)
-    try:
-        yield
-    finally:
-        torch._C._set_cudnn_allow_tf32(before)
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import functrans as ft
-from benchmarks import gpu
+from benchmarks import gpu, table
 
 ROOT = Path(__file__).resolve().parent.parent
 STORED = sorted((ROOT / "benchmarks" / "results").glob("gpu_*.json"))
@@ -27,8 +27,8 @@ def test_smoke_row_matches_torch_func_and_its_loop(workload):
     want = spec.make(torch.func)(*spec.args)
     with ft.config.strict_fallback():
         got = spec.make(ft)(*spec.args)
-    gpu._assert_agree(got, want, spec, "functrans")
-    gpu._assert_agree(spec.loop(*spec.args), want, spec, "loop")
+    table._assert_agree(got, want, spec, "functrans")
+    table._assert_agree(spec.loop(*spec.args), want, spec, "loop")
 
 
 def _spec():
@@ -77,7 +77,6 @@ def test_stored_run_renders_and_updates_the_readme(tmp_path, monkeypatch):
     assert text.count("| per-sample grads MLP |") == 6     # the time and the memory table
     readme = tmp_path / "README.md"
     readme.write_text("x\n<!-- bench:gpu:start -->\nOLD-TABLE\n<!-- bench:gpu:end -->\ny\n")
-    from benchmarks import table
     monkeypatch.setattr(table, "README", readme)
     assert gpu.main(["--render", str(STORED[-1]), "--update-readme"]) == 0
     new = readme.read_text()

@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 
 import functrans
 from tests.support.device_programs import LOOP_REFERENCES, PROGRAMS
-from tests.support.opinfo_sweep import precise_device
+from tests.support.oracles import assert_same
 
 RTOL, ATOL = 1e-4, 1e-5   # float32, two libraries that may batch the same maths differently
 
@@ -38,32 +38,17 @@ def _run(make):
 
 
 def assert_same_values(got, expected, device) -> None:
-    fg, sg = pytree.tree_flatten(got)
-    fe, se = pytree.tree_flatten(expected)
-    assert sg == se, f"output structures differ:\n{sg}\nvs\n{se}"
-    assert any(isinstance(e, torch.Tensor) for e in fe), "the program returned no tensor"
-    for k, (g, e) in enumerate(zip(fg, fe)):
-        if not isinstance(e, torch.Tensor):
-            assert g == e, f"leaf {k}: {g!r} != {e!r}"
-            continue
-        assert isinstance(g, torch.Tensor), f"leaf {k}: expected a tensor, got {type(g)}"
-        assert e.device.type == torch.device(device).type, \
-            f"leaf {k}: the reference ran on {e.device}, not {device}"
-        assert (g.shape, g.dtype, g.device) == (e.shape, e.dtype, e.device), \
-            f"leaf {k}: {(tuple(g.shape), g.dtype, g.device)} != " \
-            f"{(tuple(e.shape), e.dtype, e.device)}"
-        torch.testing.assert_close(g, e, rtol=RTOL, atol=ATOL, msg=lambda m: f"leaf {k}: {m}")
-
-
-@pytest.fixture
-def precise(device):
-    """No TF32 on CUDA (cuDNN convolutions may use it by default): float32 stays float32."""
-    with precise_device(device):
-        yield
+    """``oracles.assert_same`` (structure, shapes, dtypes, values; ``assert_close`` also checks
+    devices), after checking that the reference returned tensors and ran on ``device``."""
+    tensors = [e for e in pytree.tree_leaves(expected) if isinstance(e, torch.Tensor)]
+    assert tensors, "the program returned no tensor"
+    assert all(e.device.type == torch.device(device).type for e in tensors), \
+        f"the reference ran on {[str(e.device) for e in tensors]}, not {device}"
+    assert_same(got, expected, rtol=RTOL, atol=ATOL, msg="functrans vs the reference")
 
 
 @pytest.mark.parametrize("name", list(PROGRAMS))
-def test_program_gives_torch_func_values(name, device, precise):
+def test_program_gives_torch_func_values(name, device):   # TF32 off: conftest
     dev = torch.device(device)
     got = _run(lambda: PROGRAMS[name](functrans, dev))
     if name in LOOP_REFERENCES:

@@ -30,7 +30,7 @@ performance warning, / ``error`` / ``wrong``), so the report shows both side by 
 On a device (``device="cuda"``; ``--device cuda`` on the command line) OpInfo builds the samples
 there (after ``torch.manual_seed(0)``, which seeds every device), every example of a batch is
 drawn on the CPU from a seeded generator and moved there, and the oracle, functrans and
-torch.vmap all run there; TF32 is off for the sweep (``precise_device``) so the float32
+torch.vmap all run there; TF32 is off for the sweep (``oracles.float32_on_cuda``) so the float32
 tolerances hold.  An output on another device than the oracle's is ``wrong``.
 
 Run ``python -m tests.support.opinfo_sweep [--full] [--ops a,b] [--device cuda] [--report FILE]``
@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import functrans
 from functrans.errors import UnsupportedUnderVmap
 from functrans.batching import decompositions
-from tests.support.oracles import bdim_choices, loop_oracle, perturb_like
+from tests.support.oracles import bdim_choices, float32_on_cuda, loop_oracle, perturb_like
 
 SIZE = 3          # batch size of the inner (or only) vmap
 OUTER_SIZE = 2    # batch size of the outer vmap in vmap(vmap(...))
@@ -501,29 +501,9 @@ def _is_deterministic_or_fails(flat: FlatSample) -> bool:
         return True
 
 
-@contextlib.contextmanager
-def precise_device(device="cpu"):
-    """float32 kept float32 on a CUDA device: no TF32 in cuBLAS matmuls or cuDNN convolutions
-    (restored on exit); nothing to do elsewhere.  cuDNN's flags go through
-    ``torch.backends.cudnn.flags``: once torch.testing's internals are imported (op_db), setting
-    them directly raises."""
-    if torch.device(device).type != "cuda":
-        yield
-        return
-    cudnn = torch.backends.cudnn
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark,
-                         deterministic=cudnn.deterministic, allow_tf32=False):
-            yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def sweep_op(op, *, full: bool, with_torch: bool = True, device="cpu") -> OpResult:
     """Every check of one op on ``device`` (the ops' own warnings are silenced)."""
-    with warnings.catch_warnings(), precise_device(device):
+    with warnings.catch_warnings(), float32_on_cuda(device):
         warnings.simplefilter("ignore")
         return _sweep_op(op, full, with_torch, str(device))
 

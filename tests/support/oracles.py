@@ -7,6 +7,7 @@ integer/bool ones in range), so a rule that mixes examples up cannot pass.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any, Callable, List, Sequence
 
@@ -110,3 +111,24 @@ def check_vmap_all_bdims(f: Callable, args: Sequence[Any], *, size: int = 3, nes
                                                in_dims=tuple(in_dims))(*a)
             batched = [a if d is None else make_batch(a, d, size) for a, d in zip(args, in_dims)]
             check_vmap(inner, batched, in_dims, size=2)
+
+
+@contextlib.contextmanager
+def float32_on_cuda(device="cuda"):
+    """float32 kept float32 on a CUDA ``device`` for the block: no TF32 in cuDNN convolutions
+    (on by default on Ampere and later: it moves results by ~1e-3, past the float32 tolerances
+    of the oracles) nor in cuBLAS matmuls; both restored on exit.  Set through ``torch._C``:
+    assigning ``torch.backends.cudnn.allow_tf32`` raises once op_db is imported, and
+    ``cudnn.flags()`` rewrites every flag (and raises when the conv and RNN precisions differ).
+    Nothing to do elsewhere."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        yield
+        return
+    cudnn, cublas = torch._C._get_cudnn_allow_tf32(), torch._C._get_cublas_allow_tf32()
+    torch._C._set_cudnn_allow_tf32(False)
+    torch._C._set_cublas_allow_tf32(False)
+    try:
+        yield
+    finally:
+        torch._C._set_cudnn_allow_tf32(cudnn)
+        torch._C._set_cublas_allow_tf32(cublas)
