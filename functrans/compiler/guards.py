@@ -226,14 +226,18 @@ _GUARDED_VALUES = (int, float, bool, str, complex, type(None))
 
 
 def _read(kind: int, holder: Any, key: Any) -> Any:
+    """One step of a path.  Containers are read through the builtin type's own methods: a
+    subclass may override ``get``/``__getitem__``/``__len__`` with other signatures or side
+    effects (transformers has a dict subclass whose ``get`` takes one argument)."""
     try:
         if kind == _CELL:
             return holder.cell_contents
         if kind == _DICT:
-            return holder.get(key, _MISSING)
+            return dict.get(holder, key, _MISSING)
         if kind == _ATTR:
             return getattr(holder, key, _MISSING)
-        return holder[key] if key < len(holder) else _MISSING
+        seq = list if isinstance(holder, list) else tuple
+        return seq.__getitem__(holder, key) if key < seq.__len__(holder) else _MISSING
     except ValueError:   # an empty cell
         return _MISSING
 
@@ -309,15 +313,21 @@ class Captured:
         if isinstance(obj, (types.ModuleType, type)):
             return
         if isinstance(obj, types.FunctionType):
+            library = _is_library_function(obj)
             for var, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
                 value = _read(_CELL, cell, None)
                 if value is not _MISSING:
                     yield _CELL, cell, None, f"{var} (closure of {obj.__name__})", value
-            if not _is_library_function(obj):
+            if not library:
                 g = obj.__globals__
                 for var in dict.fromkeys(_code_names(obj.__code__)):
                     if var in g:
                         yield _DICT, g, var, f"{var} (global of {obj.__name__})", g[var]
+            if obj.__defaults__ and not library:   # def loss(p, x, model=model): like a closure
+                yield _ATTR, obj, "__defaults__", f"{name} (defaults)", obj.__defaults__
+            if obj.__kwdefaults__ and not library:
+                yield _ATTR, obj, "__kwdefaults__", f"{name} (keyword defaults)", \
+                    obj.__kwdefaults__
             if obj.__dict__:
                 for var, value in obj.__dict__.items():
                     yield _DICT, obj.__dict__, var, f"{name}.{var}", value
@@ -334,13 +344,15 @@ class Captured:
                 yield _DICT, obj.keywords, var, f"{name} (argument {var})", value
             return
         if isinstance(obj, (list, tuple)):
-            if len(obj) <= 256:
-                for i, value in enumerate(obj):
+            seq = list if isinstance(obj, list) else tuple
+            if seq.__len__(obj) <= 256:
+                for i in range(seq.__len__(obj)):
+                    value = seq.__getitem__(obj, i)
                     yield _SEQ, obj, i, f"{name}[{i}]", value
             return
         if isinstance(obj, dict):
-            if len(obj) <= 256:
-                for key, value in list(obj.items()):
+            if dict.__len__(obj) <= 256:
+                for key, value in list(dict.items(obj)):
                     if isinstance(key, (str, int)):
                         yield _DICT, obj, key, f"{name}[{key!r}]", value
             return

@@ -59,6 +59,58 @@ def test_closure_name_rebound_retraces():
     assert info.misses == 2 and "rebound" in info.retrace_reasons[0], info
 
 
+class _OneArgGetDict(dict):
+    """transformers has a dict subclass like this: ``get`` takes one argument."""
+
+    def get(self, key):
+        return super().get(key) or {}
+
+
+class _NoisyList(list):
+    def __getitem__(self, i):
+        raise AssertionError("the guard must read through list's own __getitem__")
+
+
+def test_captured_containers_read_through_the_builtin_methods():
+    registry, w = _OneArgGetDict(scale=2.0), torch.randn(3)
+    seq = _NoisyList([torch.randn(3)])
+
+    def f(x):
+        return x * w * dict.get(registry, "scale") + list.__getitem__(seq, 0)
+    compiled = functrans.compile(f)
+    x = torch.ones(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileWarning)
+        torch.testing.assert_close(compiled(x), f(x))
+        torch.testing.assert_close(compiled(x), f(x))
+        dict.__setitem__(registry, "scale", 3.0)       # a guarded scalar changed: retrace
+        torch.testing.assert_close(compiled(x), f(x))
+    info = compiled.cache_info()
+    assert info.misses == 2 and info.hits == 1, info
+
+
+def test_tensor_in_a_default_argument_is_captured_state():
+    model = nn.Linear(4, 2)
+
+    def loss(x, model=model):                   # the model reached through a default argument
+        return model(x).sum()
+
+    def loss_kw(x, *, w=model.weight):
+        return (x @ w.T).sum()
+    x = torch.randn(5, 4)
+    for fn in (loss, loss_kw):
+        compiled = functrans.compile(functrans.grad(fn))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CompileWarning)
+            torch.testing.assert_close(compiled(x), torch.func.grad(fn)(x))
+            with torch.no_grad():
+                model.weight.mul_(-2)            # read at call time, not baked in
+            torch.testing.assert_close(compiled(x), torch.func.grad(fn)(x))
+        assert compiled.cache_info().misses == 1
+        explained = functrans.explain(functrans.grad(fn), x)
+        assert "defaults" in str(explained), explained
+
+
 def test_global_tensor_rebound_and_global_scalar_changed():
     global _GLOBAL_W, _GLOBAL_SCALE
     saved = _GLOBAL_W, _GLOBAL_SCALE
