@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
-exec .venv/bin/python -m pytest -q "$@"
+# pytest-xdist: one worker per core (TEST_WORKERS=0 runs in this one process).
+exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-auto}" "$@"

@@ -67,11 +67,12 @@ _rule_calls = {}
 
 
 def _complete_default_run(config) -> bool:
-    """The whole default run in this one process.  Under pytest-xdist (``-n``) each worker sees a
-    share of the tests and the controller none, so no process can tell that a rule never ran:
-    the check is left to the single-process run (CI's)."""
+    """The whole default run: all of tests/, no -k, the default marker expression.  Under
+    pytest-xdist (``-n``) each worker runs a share of the tests, so only the controller, which
+    adds up every worker's counts (``pytest_testnodedown``), can tell that a rule never ran:
+    workers never decide."""
     import os
-    if hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None):
+    if hasattr(config, "workerinput"):
         return False
     args = [os.path.normpath(os.path.abspath(a)) for a in config.args]
     tests_dir = os.path.dirname(os.path.abspath(__file__))
@@ -79,6 +80,16 @@ def _complete_default_run(config) -> bool:
     whole = not args or all(a in (tests_dir, root) for a in args)
     return whole and not config.getoption("keyword") and \
         config.getoption("markexpr") in ("", "not sweep")
+
+
+_RULE_CALLS_KEY = "functrans_rule_calls"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist controller: add a finished worker's rule counts to this process's."""
+    for key, n in getattr(node, "workeroutput", {}).get(_RULE_CALLS_KEY, {}).items():
+        _rule_calls[key] = _rule_calls.get(key, 0) + n
 
 
 def pytest_sessionstart(session):
@@ -108,6 +119,9 @@ def unexercised_rules():
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):          # an xdist worker: report to the controller
+        session.config.workeroutput[_RULE_CALLS_KEY] = dict(_rule_calls)
+        return
     if _complete_default_run(session.config) and unexercised_rules() and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
