@@ -496,6 +496,38 @@ def test_threads(same_shapes):
     assert len(info.entries) - len(static) <= (0 if same_shapes else 1)  # one symbolic graph
 
 
+def test_threads_inductor():
+    """Threads tracing (make_fx raises FX's process-wide tracing flag) while others run an
+    Inductor graph: a Dynamo-wrapped graph refused to run then ("Detected that you are using
+    FX to symbolically trace a dynamo-optimized function"); Inductor's graph entry has no
+    Dynamo wrapper."""
+    def loss(w, x):
+        return torch.tanh(x @ w).sum()
+    compiled = functrans.compile(functrans.vmap(functrans.grad(loss), in_dims=(None, 0)),
+                                 backend="inductor")
+    reference = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))
+    w = torch.randn(4, 3)
+    errors = []
+
+    def worker(k):
+        try:
+            for i in range(6):
+                x = torch.randn(3 + (k + i) % 3, 2, 4)
+                torch.testing.assert_close(compiled(w, x), reference(w, x))
+        except Exception as exc:     # collected, asserted in the main thread
+            errors.append(exc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileWarning)
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    info = compiled.cache_info()
+    assert info.eager_calls == 0 and {e.backend for e in info.entries} == {"inductor"}, info
+
+
 # ------------------------------------------------------------------------------ reporting, API
 def test_cache_info_fields():
     compiled = functrans.compile(functrans.jacrev(lambda x: torch.sin(x) * x), dynamic=False)

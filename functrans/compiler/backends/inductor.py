@@ -10,21 +10,26 @@ was a third of per-sample-gradient time on an H200 (0.39 of 1.13 ms at B=512, 20
 Tensors the graph read from closures (``get_attr``
 constants) become inputs first, so their mutations are written back too and their current
 values are read at every call.  The re-trace runs on clones of the inputs with the random
-generators forked (it must not change anything the caller sees).  ``torch.compile(...,
-backend="inductor")`` then compiles that graph; with inputs that require grad AOTAutograd
-builds its backward.
+generators forked (it must not change anything the caller sees).  Inductor's graph-level entry
+(``torch._inductor.compile``, no Dynamo) then compiles that graph once, here, for these static
+shapes (functrans's own guards key it); with inputs that require grad AOTAutograd builds its
+backward.  A failure to compile is ``unavailable`` (the entry replays the graph instead).
 
 Imports: functionalization.
 """
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Callable, List
 
 import torch
 import torch.fx as fx
 
 from ...functionalization import functionalize
+
+
+_INDUCTOR_LOCK = threading.Lock()   # one Inductor compilation at a time in this process
 
 
 def _lift_constants(gm: fx.GraphModule) -> tuple:
@@ -78,10 +83,18 @@ def build(gm: fx.GraphModule, inputs: List[torch.Tensor], unavailable) -> Callab
     except Exception as exc:
         raise unavailable(f"functionalizing the graph failed: {type(exc).__name__}: {exc}") \
             from exc
-    # fallback_random: random ops call ATen's own kernels on the global generator, so a seed
-    # gives the numbers eager gives (Inductor's own RNG would draw others)
-    compiled = torch.compile(functional, backend="inductor", dynamic=False,
-                             options={"fallback_random": True})
+    # Inductor's graph-level entry, straight from the functional ATen graph: no second Dynamo
+    # pass (its guards on every call; its eval-frame wrapper refuses to run while another
+    # thread's make_fx has FX's process-wide "tracing" flag up).  fallback_random: random ops
+    # call ATen's own kernels on the global generator, so a seed gives the numbers eager gives
+    # (Inductor's own RNG would draw others).
+    from torch._inductor import compile as inductor_compile
+    try:
+        with _INDUCTOR_LOCK, torch.random.fork_rng(devices=devices):
+            compiled = inductor_compile(functional, [_clone(t) for t in examples],
+                                        options={"fallback_random": True})
+    except Exception as exc:
+        raise unavailable(f"Inductor failed: {type(exc).__name__}: {exc}") from exc
 
     def run(tensors):
         return compiled(*tensors, *constants)
