@@ -41,6 +41,7 @@ from .guards import Captured, object_arguments
 _tls = threading.local()
 _DATA_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+_ZERO_TENSOR = torch.ops.aten._efficientzerotensor.default
 _READ_BACK = {torch.Tensor.tolist: ".tolist()", torch.Tensor.numpy: ".numpy()",
               torch.Tensor.__array__: "numpy.asarray()"}
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,)) + (
@@ -96,6 +97,11 @@ class _Watcher:
                     # already, so read it below the tracer and let the eager run finish
                     with _disable_current_modes():
                         return func(*args, **(kwargs or {}))
+                if func is _ZERO_TENSOR:
+                    # forward AD's symbolic zero tangent: make_fx's proxy of a ZeroTensor
+                    # crashed the process in a later op (a segfault in jvp(jacrev(f)) with
+                    # index_put); an ordinary zeros tensor has the same values
+                    return torch.ops.aten.zeros.default(*args, **(kwargs or {}))
                 return func(*args, **(kwargs or {}))
 
         class Function(TorchFunctionMode):

@@ -496,6 +496,29 @@ def test_threads(same_shapes):
     assert len(info.entries) - len(static) <= (0 if same_shapes else 1)  # one symbolic graph
 
 
+def test_forward_ad_zero_tangent_traces():
+    """The compiled fuzz sweep's crash: forward AD makes a symbolic zero tangent
+    (aten._efficientzerotensor) in jvp(jacrev(f)) through index_put; make_fx's proxy of it
+    crashed the process (SIGSEGV) in a later op.  The trace records ordinary zeros."""
+    index, values = torch.tensor([0, 0]), torch.randn(2, dtype=torch.float64)
+    c = torch.randn((), dtype=torch.float64)
+
+    def f(x0, x1):
+        v2 = (x0 - 2).index_put((index,), values, accumulate=True)
+        v3 = v2 @ x1
+        return torch.addcmul(v3, v3, c, value=0.5)
+
+    def stack(impl):
+        return lambda a, b, ta, tb: impl.jvp(impl.jacrev(f, argnums=1), (a, b), (ta, tb))
+    compiled = functrans.compile(stack(functrans))
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        xs = [torch.randn(1, dtype=torch.float64, generator=g) for _ in range(4)]
+        for got, want in zip(compiled(*xs), stack(torch.func)(*xs)):
+            torch.testing.assert_close(got, want)
+    assert compiled.cache_info().misses == 1
+
+
 def test_threads_inductor():
     """Threads tracing (make_fx raises FX's process-wide tracing flag) while others run an
     Inductor graph: a Dynamo-wrapped graph refused to run then ("Detected that you are using
