@@ -16,14 +16,21 @@ where the user switched forward AD off, even around an inner jvp (the reference 
 the same).  Known difference: the double-vjp route is reverse mode, so it differentiates its
 own level through such a region, where the reference library's forward mode sees constants.
 
-Inside ``vmap``, tangents of another floating dtype than their primal (a float64 tangent for a
-float32 primal: laplace-torch's GGN products under ``torch.set_default_dtype(torch.float64)``)
-are accepted as the reference library accepts them: the derivative is computed in the primal's
-dtype and each output tangent is promoted with the tangents' dtypes (a float64 tangent gives a
-float64 output tangent, as there).  Outside vmap the mismatch is refused with a clear error,
-as vjp_fn refuses a cotangent of another dtype (the reference accepts both).
+A tangent of another floating dtype than its primal (a float64 tangent for a float32 primal:
+curvlinops' GGN products under ``torch.set_default_dtype(torch.float64)``) is accepted as the
+reference library accepts it, with its rule, which is forward AD's own (``make_dual``): a tangent
+laid out exactly as its primal (same sizes, strides of the dims longer than 1, storage offset, and
+outside vmap the same storage size; under vmap each example's view) is used as given, so the
+output tangents are promoted with its dtype (``sin`` of a float32 primal with a float64 tangent
+gives a float64 tangent); any other tangent is first copied into its primal's layout AND dtype,
+so the output tangents have the primals' dtypes (tangents batched on their last dim, as in the
+GGN product, give float32).  The derivative is computed in the primal's dtype on every route,
+the promotion applied to the result (where the reference mixes dtypes op by op, and its matmul
+formulas refuse a float64 tangent with a layout-matching float32 primal).  ``linearize``'s
+``jvp_fn`` refuses another dtype outside vmap, as the reference's does.
 
 Imports: _levels, _pytree, errors, functionalization, _differentiable, exact_norms, levels,
+batching.batched_tensor (to read a wrapper's per-example layout),
 compiler.dynamo_entry (the route inside torch.compile).
 """
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from .. import _levels
+from ..batching.batched_tensor import BatchedTensor
 from ..compiler import dynamo_entry
 from ..functionalization import functional_tangents, unwrap_functional
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
@@ -48,10 +56,11 @@ from ._differentiable import (connected_outside, depends_on, detach_tree,
                               outer_needs_graph, reaches_outside, split_aux)
 
 
-def _check_primals_tangents(primals: Any, tangents: Any, api: str, via_argnums: bool = False
-                            ) -> Tuple[List[Any], List[Any], Any]:
+def _check_primals_tangents(primals: Any, tangents: Any, api: str, via_argnums: bool = False,
+                            other_dtype_ok: bool = True) -> Tuple[List[Any], List[Any], Any]:
     """``api`` is the echoed call; ``via_argnums``: the primals were chosen by argnums (jacfwd),
-    so the fix for a non-differentiable one is to leave it out of argnums."""
+    so the fix for a non-differentiable one is to leave it out of argnums; ``other_dtype_ok``:
+    a tangent of another floating dtype is accepted outside vmap too (jvp, not linearize)."""
     if not isinstance(primals, (tuple, list)):
         raise TransformArgumentError(
             f"{api}: primals must be a tuple of the function's positional arguments, got a "
@@ -86,11 +95,13 @@ def _check_primals_tangents(primals: Any, tangents: Any, api: str, via_argnums: 
             raise TransformArgumentError(
                 f"{api}: the tangent for {names[i]} has shape {tuple(t.shape)} but the primal "
                 f"has shape {tuple(p.shape)}; each tangent must have its primal's shape.")
-        if p.dtype != t.dtype and not (p.is_floating_point() and t.is_floating_point()
-                                       and _under_vmap()):
-            # Under vmap another floating dtype is accepted (see the module docstring); a
-            # complex tangent for a real primal (or the reverse), an integer tangent, or any
-            # other dtype outside vmap is refused.
+        if p.dtype != t.dtype and not (
+                ((p.is_floating_point() and t.is_floating_point())
+                 or (p.is_complex() and t.is_complex()))
+                and (other_dtype_ok or _under_vmap())):
+            # Another floating (or complex) dtype is accepted (see the module docstring); a
+            # complex tangent for a real primal (or the reverse), or an integer tangent is
+            # refused, and so is any other dtype in linearize's jvp_fn outside vmap.
             names = names or leaf_paths(tuple(primals), "primals")
             raise TransformArgumentError(
                 f"{api}: the tangent for {names[i]} has dtype {t.dtype} but the primal has "
@@ -105,15 +116,35 @@ def _under_vmap() -> bool:
 def _cast_tangents(flat_p: Sequence[torch.Tensor], flat_t: Sequence[torch.Tensor]
                    ) -> Tuple[List[torch.Tensor], Optional[torch.dtype]]:
     """The tangents in their primals' dtypes, and the dtype the output tangents are promoted
-    with (None when every tangent already had its primal's dtype)."""
+    with: None unless a tangent of another dtype had its primal's layout (forward AD keeps
+    such a tangent as given, and copies any other into its primal's layout and dtype)."""
     promote = None
     cast = []
     for p, t in zip(flat_p, flat_t):
         if t.dtype != p.dtype:
-            promote = t.dtype if promote is None else torch.promote_types(promote, t.dtype)
+            if _same_layout(p, t):
+                promote = t.dtype if promote is None else torch.promote_types(promote, t.dtype)
             t = t.to(p.dtype)
         cast.append(t)
     return cast, promote
+
+
+def _same_layout(p: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether forward AD's ``make_dual`` would keep tangent ``t`` of primal ``p`` as given
+    (PyTorch's ``has_same_meta``): the same storage offset, sizes and strides (a dim of size 0
+    or 1 has any stride) and, between plain tensors, the same storage size.  A vmap wrapper
+    shows example 0's view (its sizes, strides and offset), and is not compared by storage."""
+    if p.storage_offset() != t.storage_offset() or p.shape != t.shape:
+        return False
+    if any(n > 1 and a != b for n, a, b in zip(p.shape, p.stride(), t.stride())):
+        return False
+    if isinstance(p, BatchedTensor) or isinstance(t, BatchedTensor):
+        return True
+    try:
+        return (p.untyped_storage().nbytes() // p.element_size()
+                == t.untyped_storage().nbytes() // t.element_size())
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage
+        return True
 
 
 def _promote_tangents(tangents_out: List[torch.Tensor], promote: Optional[torch.dtype]
@@ -398,7 +429,8 @@ def linearize(func: Callable[..., Any], *primals: Any) -> Tuple[Any, Callable[..
             _double_vjp_setup(func, flat_p, spec, False, api, needs_graph, grad_on)
 
     def jvp_fn(*tangents: Any) -> Any:
-        _, flat_t, _ = _check_primals_tangents(primals, tangents, f"{api}'s jvp_fn")
+        _, flat_t, _ = _check_primals_tangents(primals, tangents, f"{api}'s jvp_fn",
+                                               other_dtype_ok=False)
         flat_t, promote = _cast_tangents(flat_p, flat_t)
         # differentiable when the primal side is, or a tangent is part of a graph
         graph = keep_graph or outer_needs_graph(flat_t)

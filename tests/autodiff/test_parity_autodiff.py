@@ -353,19 +353,95 @@ def test_jvp_tangent_dtypes_under_vmap_match_reference():
             xs, torch.ones(3, 3, dtype=torch.complex64))
 
 
-def test_jvp_tangent_of_another_dtype_outside_vmap_keeps_the_clear_error():
-    """Outside vmap the reference accepts a float64 tangent for a float32 primal (and returns a
-    float64 tangent); functrans keeps refusing it with a clear error, as it refuses a vjp_fn
-    cotangent of another dtype that the reference also accepts."""
+def _f64(*shape, seed=0):
+    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+# (name, primal, tangent): forward AD keeps a float64 tangent as given only when it has its
+# float32 primal's layout (then sin's output tangent is float64), else copies it into the
+# primal's layout and dtype (float32)
+_LAYOUTS = [
+    ("contiguous", lambda: torch.randn(2, 3), lambda: _f64(2, 3)),
+    ("strided", lambda: torch.randn(2, 3), lambda: _f64(2, 3, 5)[..., 0]),
+    ("transposed", lambda: torch.randn(2, 3), lambda: _f64(3, 2).t()),
+    ("expanded", lambda: torch.randn(2, 3), lambda: _f64(1, 3).expand(2, 3)),
+    ("slice of a bigger storage", lambda: torch.randn(2, 3), lambda: _f64(4, 3)[:2]),
+    ("storage offset", lambda: torch.randn(2, 3), lambda: _f64(12)[6:].view(2, 3)),
+    ("size-1 dim restrided", lambda: torch.randn(1, 3),
+     lambda: _f64(1, 3).as_strided((1, 3), (7, 1))),
+    ("transposed primal", lambda: torch.randn(3, 2).t(), lambda: _f64(2, 3)),
+]
+
+
+@pytest.mark.parametrize("name,primal,tangent", _LAYOUTS, ids=[c[0] for c in _LAYOUTS])
+def test_jvp_tangent_of_another_dtype_outside_vmap_follows_the_reference(name, primal, tangent):
+    """Outside vmap the reference accepts a float64 tangent for a float32 primal; its output
+    tangent's dtype follows forward AD's make_dual (see jvp's module docstring)."""
+    x, t = primal(), tangent()
+    ours = functrans.jvp(torch.sin, (x,), (t,))
+    ref = TF.jvp(torch.sin, (x,), (t,))
+    assert ours[1].dtype == ref[1].dtype
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+_BATCHED_LAYOUTS = [  # (name, primal, batched float64 tangents, in_dim): the reference's dtype
+    ("bdim 0", lambda: torch.randn(2, 3), lambda: _f64(5, 2, 3), 0),
+    ("bdim 0, slice of a bigger storage", lambda: torch.randn(2, 3), lambda: _f64(7, 2, 3)[:5], 0),
+    ("bdim 0, storage offset", lambda: torch.randn(2, 3), lambda: _f64(7, 2, 3)[2:], 0),
+    ("bdim 0, expanded", lambda: torch.randn(2, 3), lambda: _f64(1, 2, 3).expand(5, 2, 3), 0),
+    ("bdim 0, transposed primal", lambda: torch.randn(3, 2).t(), lambda: _f64(5, 2, 3), 0),
+    ("bdim 0, primal sliced", lambda: torch.randn(4, 3)[:2], lambda: _f64(5, 2, 3), 0),
+    ("bdim 1", lambda: torch.randn(2, 3), lambda: _f64(2, 5, 3), 1),
+    ("bdim -1", lambda: torch.randn(2, 3), lambda: _f64(2, 3, 5), -1),
+]
+
+
+@pytest.mark.parametrize("name,primal,tangents,in_dim", _BATCHED_LAYOUTS,
+                         ids=[c[0] for c in _BATCHED_LAYOUTS])
+def test_jvp_tangent_of_another_dtype_under_vmap_follows_the_reference(name, primal, tangents,
+                                                                       in_dim):
+    x, ts = primal(), tangents()
+    ours = functrans.vmap(lambda t: functrans.jvp(torch.sin, (x,), (t,))[1], in_dims=in_dim)(ts)
+    ref = TF.vmap(lambda t: TF.jvp(torch.sin, (x,), (t,))[1], in_dims=in_dim)(ts)
+    assert ours.dtype == ref.dtype
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    loop = torch.stack([TF.jvp(torch.sin, (x,), (t.to(ref.dtype),))[1]
+                        for t in ts.movedim(in_dim, 0)])
+    torch.testing.assert_close(ours, loop.to(ours.dtype), rtol=1e-6, atol=1e-6)
+
+
+def test_ggn_product_with_tangents_batched_last_gives_float32_as_the_reference():
+    """curvlinops' GGN matrix-vector product under a float64 default dtype: float64 tangents
+    batched on their last dim for a float32 nn.Linear.  Each example's tangent is strided, so
+    forward AD copies it into the float32 parameter's layout and dtype: float32 tangents out
+    (functrans gave float64).  Outside vmap, one strided example gives float32 as well."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    params = tuple(model.parameters())
+    x = torch.randn(4, 3)
+    vw, vb = _f64(2, 3, 5), _f64(2, 5, seed=1)
+    f = lambda w, b: torch.nn.functional.linear(x, w, b)  # noqa: E731
+    outs = [M.vmap(lambda a, b: M.jvp(f, params, (a, b))[1], in_dims=(2, 1), out_dims=2)(vw, vb)
+            for M in (functrans, TF)]
+    assert outs[0].dtype == outs[1].dtype == torch.float32
+    torch.testing.assert_close(outs[0], outs[1])
+    loop = torch.stack([x @ vw[..., i].float().t() + vb[:, i].float() for i in range(5)], 2)
+    torch.testing.assert_close(outs[0], loop)
+    one = functrans.jvp(f, params, (vw[..., 0], vb[:, 0]))[1]
+    assert one.dtype == TF.jvp(f, params, (vw[..., 0], vb[:, 0]))[1].dtype == torch.float32
+    torch.testing.assert_close(one, loop[..., 0])
+
+
+def test_linearize_jvp_fn_refuses_another_dtype_outside_vmap_as_the_reference():
     x, _, _ = _x()
     t = torch.linspace(-1, 1, 3, dtype=torch.float64)
-    assert TF.jvp(torch.sin, (x,), (t,))[1].dtype == torch.float64
+    _, ref_fn = TF.linearize(torch.sin, x)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ref_fn(t)
+    _, jvp_fn = functrans.linearize(torch.sin, x)
     with pytest.raises(TransformArgumentError,
                        match=r"tangent for primals\[0\] has dtype torch.float64.*"
                              r"\.to\(torch.float32\)"):
-        functrans.jvp(torch.sin, (x,), (t,))
-    _, jvp_fn = functrans.linearize(torch.sin, x)
-    with pytest.raises(TransformArgumentError, match="has dtype torch.float64"):
         jvp_fn(t)
 
 
