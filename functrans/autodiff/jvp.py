@@ -13,8 +13,9 @@ Forward-mode AD is switched on for jvp's own dual level whatever the caller's se
 restored on return and on exceptions, as in the reference library.  Only for its own level: the
 double-vjp route leaves the setting alone, so an outer jvp's tangents still stop in a region
 where the user switched forward AD off, even around an inner jvp (the reference library does
-the same).  Known difference: the double-vjp route is reverse mode, so it differentiates its
-own level through such a region, where the reference library's forward mode sees constants.
+the same).  What the function computes in such a region is a constant for the double-vjp
+route's level too, though it is reverse mode, and for no reverse transform (See Note
+[forward-disabled regions on the double-vjp route] in forward_regions.py).
 
 A tangent of another floating dtype than its primal (a float64 tangent for a float32 primal:
 curvlinops' GGN products under ``torch.set_default_dtype(torch.float64)``) is accepted as the
@@ -29,7 +30,8 @@ the promotion applied to the result (where the reference mixes dtypes op by op, 
 formulas refuse a float64 tangent with a layout-matching float32 primal).  ``linearize``'s
 ``jvp_fn`` refuses another dtype outside vmap, as the reference's does.
 
-Imports: _levels, _pytree, errors, functionalization, _differentiable, exact_norms, levels,
+Imports: _levels, _pytree, errors, functionalization, _differentiable, exact_norms,
+forward_regions, levels,
 batching.batched_tensor (to read a wrapper's per-example layout),
 compiler.dynamo_entry (the route inside torch.compile).
 """
@@ -50,7 +52,8 @@ from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatt
 from ..errors import (ForwardModeAroundVmap, InplaceIntoUnbatchedError, TransformArgumentError,
                       transform_call)
 from .exact_norms import autodiff_level
-from .levels import claim_forward_ad, release_forward_ad
+from .forward_regions import deriving
+from .levels import AutodiffLevel, claim_forward_ad, release_forward_ad
 from ._differentiable import (connected_outside, depends_on, detach_tree,
                               flatten_tensor_outputs, internal_leaf, make_differentiable,
                               outer_needs_graph, reaches_outside, split_aux)
@@ -326,8 +329,8 @@ def _jvp_forward_ad(func: Callable[..., Any], flat_p: List[torch.Tensor],
 
 
 def _double_vjp_setup(func: Callable[..., Any], flat_p: List[torch.Tensor], spec: Any,
-                      has_aux: bool, api: str, needs_graph: bool, grad_on: bool
-                      ) -> Tuple[Any, Any, List[torch.Tensor], Any, List[torch.Tensor],
+                      has_aux: bool, api: str, needs_graph: bool, grad_on: bool,
+                      level: AutodiffLevel) -> Tuple[Any, Any, List[torch.Tensor], Any, List[torch.Tensor],
                                  Sequence[Optional[torch.Tensor]], List[torch.Tensor], bool]:
     """Run ``func`` once with a graph; return what J^T u and its derivative need.
     ``needs_graph`` and ``grad_on`` are decided by the caller BEFORE it pushes its own grad
@@ -350,7 +353,9 @@ def _double_vjp_setup(func: Callable[..., Any], flat_p: List[torch.Tensor], spec
     dummies = [internal_leaf(torch.ones_like(o).requires_grad_()) for o in live]
     vjps: Sequence[Optional[torch.Tensor]]
     if live:
-        vjps = torch.autograd.grad(live, flat_in, dummies, create_graph=True, allow_unused=True)
+        with deriving(level):
+            vjps = torch.autograd.grad(live, flat_in, dummies, create_graph=True,
+                                       allow_unused=True)
     else:
         vjps = [None] * len(flat_in)
     return out, aux, flat_out, out_spec, flat_in, vjps, dummies, keep_graph
@@ -358,13 +363,15 @@ def _double_vjp_setup(func: Callable[..., Any], flat_p: List[torch.Tensor], spec
 
 def _pushforward(flat_out: List[torch.Tensor], flat_in: List[torch.Tensor],
                  vjps: Sequence[Optional[torch.Tensor]], dummies: List[torch.Tensor],
-                 flat_t: List[torch.Tensor], keep_graph: bool) -> List[torch.Tensor]:
+                 flat_t: List[torch.Tensor], keep_graph: bool, level: AutodiffLevel
+                 ) -> List[torch.Tensor]:
     pairs = [(v, t) for v, t in zip(vjps, flat_t) if v is not None and v.requires_grad]
     grads_list: Sequence[Optional[torch.Tensor]]
     if pairs and dummies:
-        grads_list = torch.autograd.grad([v for v, _ in pairs], dummies,
-                                         [t for _, t in pairs], retain_graph=True,
-                                         create_graph=keep_graph, allow_unused=True)
+        with deriving(level):
+            grads_list = torch.autograd.grad([v for v, _ in pairs], dummies,
+                                             [t for _, t in pairs], retain_graph=True,
+                                             create_graph=keep_graph, allow_unused=True)
     else:
         grads_list = [None] * len(dummies)
     # unwrap_functional: a graph recorded inside functionalize gives functional wrappers here
@@ -379,14 +386,14 @@ def _jvp_double_vjp(func: Callable[..., Any], flat_p: List[torch.Tensor],
                     strict: bool = False) -> Tuple[Any, ...]:
     needs_graph = outer_needs_graph(list(flat_p) + list(flat_t))
     grad_on = torch.is_grad_enabled()
-    with autodiff_level("grad", order=2), torch.enable_grad():
+    with autodiff_level("grad", order=2, forward=True) as level, torch.enable_grad():
         out, aux, flat_out, out_spec, flat_in, vjps, dummies, keep_graph = \
-            _double_vjp_setup(func, flat_p, spec, has_aux, api, needs_graph, grad_on)
+            _double_vjp_setup(func, flat_p, spec, has_aux, api, needs_graph, grad_on, level)
         if strict:
             for i, o in enumerate(flat_out):
                 if not depends_on(o, flat_in):
                     raise _strict_error(api, out, i)
-        tangents_out = _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph)
+        tangents_out = _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph, level)
     primal_out = out if keep_graph else detach_tree(out)
     result = (primal_out, tree_unflatten(tangents_out, out_spec))
     if has_aux:
@@ -424,9 +431,9 @@ def linearize(func: Callable[..., Any], *primals: Any) -> Tuple[Any, Callable[..
     api = transform_call("linearize", func, "*primals")
     flat_p, spec = tree_flatten(tuple(primals))
     needs_graph, grad_on = outer_needs_graph(flat_p), torch.is_grad_enabled()
-    with autodiff_level("grad", order=2), torch.enable_grad():
+    with autodiff_level("grad", order=2, forward=True) as level, torch.enable_grad():
         out, _, flat_out, out_spec, flat_in, vjps, dummies, keep_graph = \
-            _double_vjp_setup(func, flat_p, spec, False, api, needs_graph, grad_on)
+            _double_vjp_setup(func, flat_p, spec, False, api, needs_graph, grad_on, level)
 
     def jvp_fn(*tangents: Any) -> Any:
         _, flat_t, _ = _check_primals_tangents(primals, tangents, f"{api}'s jvp_fn",
@@ -436,7 +443,7 @@ def linearize(func: Callable[..., Any], *primals: Any) -> Tuple[Any, Callable[..
         graph = keep_graph or outer_needs_graph(flat_t)
         with torch.enable_grad():
             return tree_unflatten(_promote_tangents(
-                _pushforward(flat_out, flat_in, vjps, dummies, flat_t, graph), promote),
+                _pushforward(flat_out, flat_in, vjps, dummies, flat_t, graph, level), promote),
                 out_spec)
 
     return (out if keep_graph else detach_tree(out)), jvp_fn

@@ -110,6 +110,79 @@ def test_outer_jvp_still_stops_in_a_disabled_region_around_an_inner_jvp():
     torch.testing.assert_close(ours[1], torch.zeros(3))
 
 
+def _shifted(x):
+    """PyTorch's test_disable_fwd_grad_inside: ``shift`` is a constant for forward mode only."""
+    with fwAD._set_fwd_grad_enabled(False):
+        shift = x ** 2
+    return x ** 2 - shift
+
+
+def _region_compositions(M, t):
+    """Compositions of module M's transforms over _shifted; some take functrans's double-vjp
+    route (nested jvp, jvp under vmap or under grad), which is reverse mode."""
+    f = _shifted
+    jvp_t = lambda g: (lambda y: M.jvp(g, (y,), (t,))[1])  # noqa: E731
+
+    def around_inner(y):  # the region around an inner jvp
+        with fwAD._set_fwd_grad_enabled(False):
+            return M.jvp(torch.sin, (y,), (t,))[1] * y
+    return {
+        "jvp": jvp_t(f),
+        "jvp(jvp)": jvp_t(jvp_t(f)),
+        "jvp(jvp(jvp))": jvp_t(jvp_t(jvp_t(lambda y: y * _shifted(y)))),
+        "jacfwd(jacfwd)": M.jacfwd(M.jacfwd(f)),
+        "hessian": M.hessian(f),
+        "jacrev(jacfwd)": M.jacrev(M.jacfwd(f)),
+        "grad(jvp tangent)": M.grad(jvp_t(f)),
+        "grad(jvp primal)": M.grad(lambda y: M.jvp(f, (y,), (t,))[0]),
+        "jvp(grad)": jvp_t(M.grad(f)),
+        "vmap(jvp(jvp))": lambda y: M.vmap(jvp_t(jvp_t(f)))(y.expand(3)),
+        "jvp(vmap(jvp))": jvp_t(lambda y: M.vmap(jvp_t(f))(y.expand(3))),
+        "jvp(around inner jvp)": jvp_t(around_inner),
+        "vmap(jvp(around inner jvp))": lambda y: M.vmap(jvp_t(around_inner))(y.expand(3)),
+        "grad(jvp(around inner jvp))": M.grad(jvp_t(around_inner)),
+    }
+
+
+def test_disable_fwd_grad_inside_nested_forward_mode_matches_the_reference():
+    """A value computed with forward AD switched off is a constant for every forward-mode
+    level, on jvp's double-vjp route too (it gave 0 for the nested jvp, where the reference
+    gives 2), and for no reverse-mode level (grad of the jvp's primal output stays 0)."""
+    x = torch.tensor(0.7)
+    t = torch.ones_like(x)
+    assert functrans.jvp(lambda y: functrans.jvp(_shifted, (y,), (t,))[1], (x,), (t,))[1] == 2
+    ours, ref = _region_compositions(functrans, t), _region_compositions(TF, t)
+    for name in ours:
+        torch.testing.assert_close(ours[name](x), ref[name](x), msg=name)
+    # finite differences of the forward-mode tangent 2y: d/dy = 2
+    eps = 1e-3
+    tangent = lambda y: functrans.jvp(_shifted, (y,), (t,))[1]  # noqa: E731
+    fd = (tangent(x.double() + eps) - tangent(x.double() - eps)) / (2 * eps)
+    torch.testing.assert_close(ours["jvp(jvp)"](x), fd.float())
+
+
+def test_disable_fwd_grad_outside_and_mixed_match_the_reference():
+    """PyTorch's test_disable_fwd_grad_outside / _mixed, and nested variants."""
+    x = torch.tensor(0.7)
+    t = torch.ones_like(x)
+    for enabled in (False, True):
+        with fwAD._set_fwd_grad_enabled(enabled):
+            for f in (torch.sin, _shifted):
+                torch.testing.assert_close(functrans.jvp(f, (x,), (t,)), TF.jvp(f, (x,), (t,)))
+                nested = [M.jvp(lambda y: M.jvp(f, (y,), (t,))[1], (x,), (t,))
+                          for M in (functrans, TF)]
+                torch.testing.assert_close(nested[0], nested[1])
+            assert _fwd_enabled() is enabled
+    torch.testing.assert_close(functrans.jvp(_shifted, (x,), (t,))[1], 2 * x)
+
+
+def test_linearize_of_a_function_with_a_disabled_region():
+    x, t, _ = _x()
+    out, jvp_fn = functrans.linearize(_shifted, x)
+    torch.testing.assert_close(jvp_fn(t), TF.jvp(_shifted, (x,), (t,))[1])
+    torch.testing.assert_close(jvp_fn(t), 2 * x * t)
+
+
 # ---- item 11: vjp_fn(cotangents, retain_graph, create_graph) ------------------------------
 
 def _both_vjp(x, f=torch.sin):
