@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F

@@ -30,7 +30,7 @@ import torch
 from torch import _VF
 
 from .. import _levels
-from ..errors import UnsupportedUnderVmap
+from ..errors import FunctransError, UnsupportedUnderVmap
 from . import guards
 from .batched_tensor import BatchedTensor, innermost, set_scalar_index_hook, top_level
 from .helpers import normalize_dim
@@ -480,11 +480,11 @@ def _check_labels(tensor, num_classes) -> None:
         return
     lo, hi = lo.item(), hi.item()
     if lo < 0:
-        raise RuntimeError(
+        raise FunctransError(
             f"Class values must be non-negative. F.one_hot(labels, num_classes={num_classes}) "
             f"under vmap got the label {lo}; labels must lie in [0, {num_classes}).")
     if hi >= num_classes:
-        raise RuntimeError(
+        raise FunctransError(
             f"Class values must be smaller than num_classes. F.one_hot(labels, "
             f"num_classes={num_classes}) under vmap got the label {hi}; labels must lie in "
             f"[0, {num_classes}): pass a larger num_classes or fix the labels.")

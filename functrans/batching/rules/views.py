@@ -47,9 +47,9 @@ from ..helpers import (ensure_bdim_front, logical_rank, move_bdim_to_front, norm
                        pad_to_rank, physical_dim)
 from ..op_schema import writes_self
 from .. import guards
-from ..batched_tensor import BatchedTensor, innermost
+from ..batched_tensor import BatchedTensor
 from ..registry import Decline, registrar
-from ...errors import UnsupportedUnderVmap
+from ...errors import FunctransError, UnsupportedUnderVmap
 
 aten = torch.ops.aten
 register_batch_rule = registrar("views")   # the rules below live in this file
@@ -454,21 +454,6 @@ def block_diag_rule(info, in_dims, tensors):
     return torch.cat(rows, 1), 0
 
 
-def _holds_only_its_examples(x) -> bool:
-    """Whether the memory of ``x`` (for a lower level's wrapper: of its innermost physical
-    tensor) holds its elements and nothing else: offset 0, non-overlapping and dense, and a
-    storage exactly that large.  Then every element of the storage belongs to one example, so
-    each example stands for a fresh tensor of its own (see the module docstring)."""
-    p = innermost(x)
-    if p.layout is not torch.strided or p.storage_offset() != 0:
-        return False
-    if p.untyped_storage().nbytes() != p.numel() * p.element_size():
-        return False
-    dense = _dense_strides(p.shape, p.stride())
-    return all(n <= 1 or s == d for n, s, d in zip(p.shape, p.stride(), dense))  # (a size-1
-    # dim's stride is arbitrary)
-
-
 def _dense_strides(shape, strides):
     """The strides of a dense tensor of ``shape`` whose dims are laid out in the memory order of
     ``strides`` (largest stride outermost; ties keep the dims' order)."""
@@ -548,7 +533,7 @@ def as_strided_rule(info, in_dims, x, size, stride, storage_offset=None):
     stride; refused when the window leaves example 0's memory."""
     b = in_dims[0]
     if len(size) != len(stride):
-        raise RuntimeError(
+        raise FunctransError(
             f"Tensor.as_strided(size={list(size)}, stride={list(stride)}): size and stride "
             f"must have the same length (one stride per dim), got {len(size)} and "
             f"{len(stride)}.")
