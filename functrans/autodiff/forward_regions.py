@@ -17,13 +17,13 @@ region deep inside three nested jvps is constant for all three); a jvp entered i
 switches forward mode on for its own level only, so the levels around it, off when it was
 entered, stay off for everything inside it.  The double-vjp route leaves PyTorch's switch alone
 (an outer dual level of PyTorch's must still see the user's setting), so a level entered with
-the switch already off counts as on for its own function.  The ``TorchFunctionMode`` active at graph order 2 and above
-(``exact_norms.ExactNormsMode``, always on during a double-vjp level) asks ``cut_levels()``
-after each torch call: for a non-empty answer, ``make_constant()`` registers a hook on each
-output (on the physical value under a vmap that runs inside the level) that gives a zero
-gradient while one of those levels takes its own derivatives (``deriving()``), and passes the
-gradient unchanged in every other backward pass.  An in-place op's output is its input,
-partly computed outside the region, and keeps its gradient.
+the switch already off counts as on for its own function.  The ``TorchFunctionMode`` active at
+graph order 2 and above (``exact_norms.ExactNormsMode``, always on during a double-vjp level)
+asks ``cut_levels()`` after each torch call: for a non-empty answer, ``make_constant()``
+registers a hook on each output (on the physical value under a vmap that runs inside the level)
+that gives a zero gradient while one of those levels takes its own derivatives
+(``deriving()``), and passes the gradient unchanged in every other backward pass.  An in-place
+op's output is its input, partly computed outside the region, and keeps its gradient.
 
 Imports: _levels, levels, batching.batched_tensor (to reach a wrapper's physical value).
 """

@@ -98,13 +98,11 @@ def _check_primals_tangents(primals: Any, tangents: Any, api: str, via_argnums: 
             raise TransformArgumentError(
                 f"{api}: the tangent for {names[i]} has shape {tuple(t.shape)} but the primal "
                 f"has shape {tuple(p.shape)}; each tangent must have its primal's shape.")
-        if p.dtype != t.dtype and not (
-                ((p.is_floating_point() and t.is_floating_point())
-                 or (p.is_complex() and t.is_complex()))
-                and (other_dtype_ok or _under_vmap())):
-            # Another floating (or complex) dtype is accepted (see the module docstring); a
-            # complex tangent for a real primal (or the reverse), or an integer tangent is
-            # refused, and so is any other dtype in linearize's jvp_fn outside vmap.
+        if p.dtype != t.dtype and not (p.is_floating_point() and t.is_floating_point()
+                                       and (other_dtype_ok or _under_vmap())):
+            # Another floating dtype is accepted (see the module docstring); a complex tangent
+            # for a real primal (or the reverse), an integer tangent, or another floating dtype
+            # in linearize's jvp_fn outside vmap is refused.
             names = names or leaf_paths(tuple(primals), "primals")
             raise TransformArgumentError(
                 f"{api}: the tangent for {names[i]} has dtype {t.dtype} but the primal has "
@@ -330,7 +328,8 @@ def _jvp_forward_ad(func: Callable[..., Any], flat_p: List[torch.Tensor],
 
 def _double_vjp_setup(func: Callable[..., Any], flat_p: List[torch.Tensor], spec: Any,
                       has_aux: bool, api: str, needs_graph: bool, grad_on: bool,
-                      level: AutodiffLevel) -> Tuple[Any, Any, List[torch.Tensor], Any, List[torch.Tensor],
+                      level: AutodiffLevel
+                      ) -> Tuple[Any, Any, List[torch.Tensor], Any, List[torch.Tensor],
                                  Sequence[Optional[torch.Tensor]], List[torch.Tensor], bool]:
     """Run ``func`` once with a graph; return what J^T u and its derivative need.
     ``needs_graph`` and ``grad_on`` are decided by the caller BEFORE it pushes its own grad

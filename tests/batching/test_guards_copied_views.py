@@ -149,8 +149,9 @@ def test_as_strided_on_shared_or_interleaved_memory_follows_the_reference():
     y = torch.randn(6, 6)[:, 1:]
     with pytest.raises(RuntimeError):
         torch.func.vmap(f)(y)
-    with pytest.raises(UnsupportedUnderVmap, match=r"reads storage elements \[0, 1\], but each "
-                                                    r"example of x spans storage elements \[1, 5\]"):
+    with pytest.raises(UnsupportedUnderVmap,
+                       match=r"reads storage elements \[0, 1\], but each example of x spans "
+                             r"storage elements \[1, 5\]"):
         ft.vmap(f)(y)
 
 
