@@ -181,7 +181,8 @@ def jvp(func: Callable[..., Any], primals: Any, tangents: Any, *, strict: bool =
         primals: a tuple (or list) of ``func``'s positional arguments: floating-point or
             complex tensors, or pytrees of them.  A single argument is still a 1-tuple.
         tangents: the direction, with the structure of ``primals``; each tangent has its
-            primal's shape and dtype.
+            primal's shape and dtype, or for a floating primal another floating dtype (the
+            output tangents' dtype then follows forward AD's rule: see the module docstring).
         strict: raise when an output does not depend on the primals (its tangent would be
             zero) instead of giving it a zero tangent.
         has_aux: ``func`` returns ``(output, aux)``; ``aux`` is returned as is (detached).
@@ -192,7 +193,8 @@ def jvp(func: Callable[..., Any], primals: Any, tangents: Any, *, strict: bool =
 
     Raises:
         TransformArgumentError: ``primals``/``tangents`` not tuples, of different structures,
-            shapes or dtypes, a primal that is not floating-point/complex, or (``strict``) an
+            shapes or kinds of dtype (a complex or integer tangent for a floating primal), a
+            primal that is not floating-point/complex, or (``strict``) an
             output that does not depend on the primals.
 
     Example:
