@@ -18,19 +18,23 @@ in nested autodiff transforms.  First-order transforms (grad, vjp, jacrev, vmap(
 per-sample gradients) keep the fused kernels.  Running statistics are still updated by the fused
 kernel (under no_grad), so their semantics under vmap do not change.
 
-Imports: _levels, levels.
+The same mode makes the values computed where the user switched forward mode off constants for
+jvp's double-vjp levels (``forward_regions``).
+
+Imports: _levels, levels, forward_regions.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .. import _levels
+from .forward_regions import cut_levels, enter_forward_level, make_constant
 from .levels import AutodiffLevel
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -106,20 +110,27 @@ _EXACT = {F.layer_norm: layer_norm, torch.layer_norm: layer_norm,
 
 
 class ExactNormsMode(TorchFunctionMode):
-    """Runs layer_norm / batch_norm / instance_norm as primitive ops (see the module doc)."""
+    """Runs layer_norm / batch_norm / instance_norm as primitive ops (see the module doc), and
+    makes what is computed with forward mode switched off a constant for the double-vjp levels
+    (See Note [forward-disabled regions on the double-vjp route] in forward_regions.py)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        exact: Optional[object] = _EXACT.get(func)
-        if exact is not None:
-            return exact(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+        out = _EXACT.get(func, func)(*args, **(kwargs or {}))
+        cut = cut_levels()
+        if cut:
+            make_constant(out, args, kwargs, cut)
+        return out
 
 
 @contextlib.contextmanager
-def autodiff_level(kind: str, order: int = 1) -> Iterator[AutodiffLevel]:
+def autodiff_level(kind: str, order: int = 1, forward: bool = False
+                   ) -> Iterator[AutodiffLevel]:
     """Push an autodiff level; at graph order 2 and above, also run the function with
-    ``ExactNormsMode`` (once per thread: inner levels find it active)."""
-    level = AutodiffLevel(kind, order)
+    ``ExactNormsMode`` (once per thread: inner levels find it active).  ``forward``: a
+    forward-mode level on the double-vjp route (``AutodiffLevel.forward``)."""
+    level = AutodiffLevel(kind, order, forward)
+    if forward:
+        enter_forward_level(level)
     with _levels.pushed(level):
         if graph_order() < 2 or getattr(_tls, "active", False):
             yield level

@@ -13,17 +13,26 @@ Forward-mode AD is switched on for jvp's own dual level whatever the caller's se
 restored on return and on exceptions, as in the reference library.  Only for its own level: the
 double-vjp route leaves the setting alone, so an outer jvp's tangents still stop in a region
 where the user switched forward AD off, even around an inner jvp (the reference library does
-the same).  Known difference: the double-vjp route is reverse mode, so it differentiates its
-own level through such a region, where the reference library's forward mode sees constants.
+the same).  What the function computes in such a region is a constant for the double-vjp
+route's level too, though it is reverse mode, and for no reverse transform (See Note
+[forward-disabled regions on the double-vjp route] in forward_regions.py).
 
-Inside ``vmap``, tangents of another floating dtype than their primal (a float64 tangent for a
-float32 primal: laplace-torch's GGN products under ``torch.set_default_dtype(torch.float64)``)
-are accepted as the reference library accepts them: the derivative is computed in the primal's
-dtype and each output tangent is promoted with the tangents' dtypes (a float64 tangent gives a
-float64 output tangent, as there).  Outside vmap the mismatch is refused with a clear error,
-as vjp_fn refuses a cotangent of another dtype (the reference accepts both).
+A tangent of another floating dtype than its primal (a float64 tangent for a float32 primal:
+curvlinops' GGN products under ``torch.set_default_dtype(torch.float64)``) is accepted as the
+reference library accepts it, with its rule, which is forward AD's own (``make_dual``): a tangent
+laid out exactly as its primal (same sizes, strides of the dims longer than 1, storage offset, and
+outside vmap the same storage size; under vmap each example's view) is used as given, so the
+output tangents are promoted with its dtype (``sin`` of a float32 primal with a float64 tangent
+gives a float64 tangent); any other tangent is first copied into its primal's layout AND dtype,
+so the output tangents have the primals' dtypes (tangents batched on their last dim, as in the
+GGN product, give float32).  The derivative is computed in the primal's dtype on every route,
+the promotion applied to the result (where the reference mixes dtypes op by op, and its matmul
+formulas refuse a float64 tangent with a layout-matching float32 primal).  ``linearize``'s
+``jvp_fn`` refuses another dtype outside vmap, as the reference's does.
 
-Imports: _levels, _pytree, errors, functionalization, _differentiable, exact_norms, levels,
+Imports: _levels, _pytree, errors, functionalization, _differentiable, exact_norms,
+forward_regions, levels,
+batching.batched_tensor (to read a wrapper's per-example layout),
 compiler.dynamo_entry (the route inside torch.compile).
 """
 from __future__ import annotations
@@ -36,22 +45,25 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from .. import _levels
+from ..batching.batched_tensor import BatchedTensor
 from ..compiler import dynamo_entry
 from ..functionalization import functional_tangents, unwrap_functional
 from .._pytree import describe_structure, leaf_paths, tree_flatten, tree_unflatten
 from ..errors import (ForwardModeAroundVmap, InplaceIntoUnbatchedError, TransformArgumentError,
                       transform_call)
 from .exact_norms import autodiff_level
-from .levels import claim_forward_ad, release_forward_ad
+from .forward_regions import deriving
+from .levels import AutodiffLevel, claim_forward_ad, release_forward_ad
 from ._differentiable import (connected_outside, depends_on, detach_tree,
                               flatten_tensor_outputs, internal_leaf, make_differentiable,
                               outer_needs_graph, reaches_outside, split_aux)
 
 
-def _check_primals_tangents(primals: Any, tangents: Any, api: str, via_argnums: bool = False
-                            ) -> Tuple[List[Any], List[Any], Any]:
+def _check_primals_tangents(primals: Any, tangents: Any, api: str, via_argnums: bool = False,
+                            other_dtype_ok: bool = True) -> Tuple[List[Any], List[Any], Any]:
     """``api`` is the echoed call; ``via_argnums``: the primals were chosen by argnums (jacfwd),
-    so the fix for a non-differentiable one is to leave it out of argnums."""
+    so the fix for a non-differentiable one is to leave it out of argnums; ``other_dtype_ok``:
+    a tangent of another floating dtype is accepted outside vmap too (jvp, not linearize)."""
     if not isinstance(primals, (tuple, list)):
         raise TransformArgumentError(
             f"{api}: primals must be a tuple of the function's positional arguments, got a "
@@ -87,10 +99,10 @@ def _check_primals_tangents(primals: Any, tangents: Any, api: str, via_argnums: 
                 f"{api}: the tangent for {names[i]} has shape {tuple(t.shape)} but the primal "
                 f"has shape {tuple(p.shape)}; each tangent must have its primal's shape.")
         if p.dtype != t.dtype and not (p.is_floating_point() and t.is_floating_point()
-                                       and _under_vmap()):
-            # Under vmap another floating dtype is accepted (see the module docstring); a
-            # complex tangent for a real primal (or the reverse), an integer tangent, or any
-            # other dtype outside vmap is refused.
+                                       and (other_dtype_ok or _under_vmap())):
+            # Another floating dtype is accepted (see the module docstring); a complex tangent
+            # for a real primal (or the reverse), an integer tangent, or another floating dtype
+            # in linearize's jvp_fn outside vmap is refused.
             names = names or leaf_paths(tuple(primals), "primals")
             raise TransformArgumentError(
                 f"{api}: the tangent for {names[i]} has dtype {t.dtype} but the primal has "
@@ -105,15 +117,35 @@ def _under_vmap() -> bool:
 def _cast_tangents(flat_p: Sequence[torch.Tensor], flat_t: Sequence[torch.Tensor]
                    ) -> Tuple[List[torch.Tensor], Optional[torch.dtype]]:
     """The tangents in their primals' dtypes, and the dtype the output tangents are promoted
-    with (None when every tangent already had its primal's dtype)."""
+    with: None unless a tangent of another dtype had its primal's layout (forward AD keeps
+    such a tangent as given, and copies any other into its primal's layout and dtype)."""
     promote = None
     cast = []
     for p, t in zip(flat_p, flat_t):
         if t.dtype != p.dtype:
-            promote = t.dtype if promote is None else torch.promote_types(promote, t.dtype)
+            if _same_layout(p, t):
+                promote = t.dtype if promote is None else torch.promote_types(promote, t.dtype)
             t = t.to(p.dtype)
         cast.append(t)
     return cast, promote
+
+
+def _same_layout(p: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether forward AD's ``make_dual`` would keep tangent ``t`` of primal ``p`` as given
+    (PyTorch's ``has_same_meta``): the same storage offset, sizes and strides (a dim of size 0
+    or 1 has any stride) and, between plain tensors, the same storage size.  A vmap wrapper
+    shows example 0's view (its sizes, strides and offset), and is not compared by storage."""
+    if p.storage_offset() != t.storage_offset() or p.shape != t.shape:
+        return False
+    if any(n > 1 and a != b for n, a, b in zip(p.shape, p.stride(), t.stride())):
+        return False
+    if isinstance(p, BatchedTensor) or isinstance(t, BatchedTensor):
+        return True
+    try:
+        return (p.untyped_storage().nbytes() // p.element_size()
+                == t.untyped_storage().nbytes() // t.element_size())
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage
+        return True
 
 
 def _promote_tangents(tangents_out: List[torch.Tensor], promote: Optional[torch.dtype]
@@ -149,7 +181,8 @@ def jvp(func: Callable[..., Any], primals: Any, tangents: Any, *, strict: bool =
         primals: a tuple (or list) of ``func``'s positional arguments: floating-point or
             complex tensors, or pytrees of them.  A single argument is still a 1-tuple.
         tangents: the direction, with the structure of ``primals``; each tangent has its
-            primal's shape and dtype.
+            primal's shape and dtype, or for a floating primal another floating dtype (the
+            output tangents' dtype then follows forward AD's rule: see the module docstring).
         strict: raise when an output does not depend on the primals (its tangent would be
             zero) instead of giving it a zero tangent.
         has_aux: ``func`` returns ``(output, aux)``; ``aux`` is returned as is (detached).
@@ -160,7 +193,8 @@ def jvp(func: Callable[..., Any], primals: Any, tangents: Any, *, strict: bool =
 
     Raises:
         TransformArgumentError: ``primals``/``tangents`` not tuples, of different structures,
-            shapes or dtypes, a primal that is not floating-point/complex, or (``strict``) an
+            shapes or kinds of dtype (a complex or integer tangent for a floating primal), a
+            primal that is not floating-point/complex, or (``strict``) an
             output that does not depend on the primals.
 
     Example:
@@ -295,7 +329,8 @@ def _jvp_forward_ad(func: Callable[..., Any], flat_p: List[torch.Tensor],
 
 
 def _double_vjp_setup(func: Callable[..., Any], flat_p: List[torch.Tensor], spec: Any,
-                      has_aux: bool, api: str, needs_graph: bool, grad_on: bool
+                      has_aux: bool, api: str, needs_graph: bool, grad_on: bool,
+                      level: AutodiffLevel
                       ) -> Tuple[Any, Any, List[torch.Tensor], Any, List[torch.Tensor],
                                  Sequence[Optional[torch.Tensor]], List[torch.Tensor], bool]:
     """Run ``func`` once with a graph; return what J^T u and its derivative need.
@@ -319,7 +354,9 @@ def _double_vjp_setup(func: Callable[..., Any], flat_p: List[torch.Tensor], spec
     dummies = [internal_leaf(torch.ones_like(o).requires_grad_()) for o in live]
     vjps: Sequence[Optional[torch.Tensor]]
     if live:
-        vjps = torch.autograd.grad(live, flat_in, dummies, create_graph=True, allow_unused=True)
+        with deriving(level):
+            vjps = torch.autograd.grad(live, flat_in, dummies, create_graph=True,
+                                       allow_unused=True)
     else:
         vjps = [None] * len(flat_in)
     return out, aux, flat_out, out_spec, flat_in, vjps, dummies, keep_graph
@@ -327,13 +364,15 @@ def _double_vjp_setup(func: Callable[..., Any], flat_p: List[torch.Tensor], spec
 
 def _pushforward(flat_out: List[torch.Tensor], flat_in: List[torch.Tensor],
                  vjps: Sequence[Optional[torch.Tensor]], dummies: List[torch.Tensor],
-                 flat_t: List[torch.Tensor], keep_graph: bool) -> List[torch.Tensor]:
+                 flat_t: List[torch.Tensor], keep_graph: bool, level: AutodiffLevel
+                 ) -> List[torch.Tensor]:
     pairs = [(v, t) for v, t in zip(vjps, flat_t) if v is not None and v.requires_grad]
     grads_list: Sequence[Optional[torch.Tensor]]
     if pairs and dummies:
-        grads_list = torch.autograd.grad([v for v, _ in pairs], dummies,
-                                         [t for _, t in pairs], retain_graph=True,
-                                         create_graph=keep_graph, allow_unused=True)
+        with deriving(level):
+            grads_list = torch.autograd.grad([v for v, _ in pairs], dummies,
+                                             [t for _, t in pairs], retain_graph=True,
+                                             create_graph=keep_graph, allow_unused=True)
     else:
         grads_list = [None] * len(dummies)
     # unwrap_functional: a graph recorded inside functionalize gives functional wrappers here
@@ -348,14 +387,14 @@ def _jvp_double_vjp(func: Callable[..., Any], flat_p: List[torch.Tensor],
                     strict: bool = False) -> Tuple[Any, ...]:
     needs_graph = outer_needs_graph(list(flat_p) + list(flat_t))
     grad_on = torch.is_grad_enabled()
-    with autodiff_level("grad", order=2), torch.enable_grad():
+    with autodiff_level("grad", order=2, forward=True) as level, torch.enable_grad():
         out, aux, flat_out, out_spec, flat_in, vjps, dummies, keep_graph = \
-            _double_vjp_setup(func, flat_p, spec, has_aux, api, needs_graph, grad_on)
+            _double_vjp_setup(func, flat_p, spec, has_aux, api, needs_graph, grad_on, level)
         if strict:
             for i, o in enumerate(flat_out):
                 if not depends_on(o, flat_in):
                     raise _strict_error(api, out, i)
-        tangents_out = _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph)
+        tangents_out = _pushforward(flat_out, flat_in, vjps, dummies, flat_t, keep_graph, level)
     primal_out = out if keep_graph else detach_tree(out)
     result = (primal_out, tree_unflatten(tangents_out, out_spec))
     if has_aux:
@@ -393,18 +432,19 @@ def linearize(func: Callable[..., Any], *primals: Any) -> Tuple[Any, Callable[..
     api = transform_call("linearize", func, "*primals")
     flat_p, spec = tree_flatten(tuple(primals))
     needs_graph, grad_on = outer_needs_graph(flat_p), torch.is_grad_enabled()
-    with autodiff_level("grad", order=2), torch.enable_grad():
+    with autodiff_level("grad", order=2, forward=True) as level, torch.enable_grad():
         out, _, flat_out, out_spec, flat_in, vjps, dummies, keep_graph = \
-            _double_vjp_setup(func, flat_p, spec, False, api, needs_graph, grad_on)
+            _double_vjp_setup(func, flat_p, spec, False, api, needs_graph, grad_on, level)
 
     def jvp_fn(*tangents: Any) -> Any:
-        _, flat_t, _ = _check_primals_tangents(primals, tangents, f"{api}'s jvp_fn")
+        _, flat_t, _ = _check_primals_tangents(primals, tangents, f"{api}'s jvp_fn",
+                                               other_dtype_ok=False)
         flat_t, promote = _cast_tangents(flat_p, flat_t)
         # differentiable when the primal side is, or a tangent is part of a graph
         graph = keep_graph or outer_needs_graph(flat_t)
         with torch.enable_grad():
             return tree_unflatten(_promote_tangents(
-                _pushforward(flat_out, flat_in, vjps, dummies, flat_t, graph), promote),
+                _pushforward(flat_out, flat_in, vjps, dummies, flat_t, graph, level), promote),
                 out_spec)
 
     return (out if keep_graph else detach_tree(out)), jvp_fn

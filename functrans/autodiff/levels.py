@@ -18,13 +18,19 @@ class AutodiffLevel(_levels.Level):
     """A grad/vjp/jacrev (``kind='grad'``) or forward-mode (``kind='jvp'``) level.
 
     ``order``: how many times the function's graph is differentiated at this level: 2 for the
-    double-vjp route of a jvp (J^T u, then its derivative), else 1 (see ``exact_norms``)."""
+    double-vjp route of a jvp (J^T u, then its derivative), else 1 (see ``exact_norms``).
+    ``forward``: a forward-mode level computed in reverse mode (jvp's double-vjp route,
+    linearize); ``entry_fwd`` and ``frozen`` are its records of forward-disabled regions
+    (Note [forward-disabled regions on the double-vjp route] in ``forward_regions``)."""
 
-    __slots__ = ("order",)
+    __slots__ = ("order", "forward", "entry_fwd", "frozen")
 
-    def __init__(self, kind: str, order: int = 1):
+    def __init__(self, kind: str, order: int = 1, forward: bool = False):
         super().__init__(kind)
         self.order = order
+        self.forward = forward
+        self.entry_fwd = True
+        self.frozen: frozenset = frozenset()
 
 
 # One dual level at a time for the whole process: held by the jvp that opened it.

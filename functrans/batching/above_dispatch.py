@@ -15,6 +15,10 @@ decided before any op reaches it, so no batching rule can see them:
   ``_cudnn_rnn`` op, which has no batching rule; under vmap they run with cuDNN disabled, so
   PyTorch takes its native path (ops with rules), as on the CPU.
 
+* **``F.one_hot`` of batched labels** (Note [one_hot of batched labels]).  Given a tensor
+  subclass, ATen's ``one_hot`` skips its range checks and compares the labels with
+  ``arange(num_classes)``: an out-of-range label gave a row of zeros instead of eager's error.
+
 ``install()`` is called once by ``functrans.batching``'s ``__init__``: importing this module (or
 any rules module) patches nothing.
 
@@ -26,7 +30,7 @@ import torch
 from torch import _VF
 
 from .. import _levels
-from ..errors import UnsupportedUnderVmap
+from ..errors import FunctransError, UnsupportedUnderVmap
 from . import guards
 from .batched_tensor import BatchedTensor, innermost, set_scalar_index_hook, top_level
 from .helpers import normalize_dim
@@ -38,6 +42,7 @@ def install() -> None:
     """Set the hooks (idempotent)."""
     set_scalar_index_hook(scalar_index_torch_function)
     _install_initial_state_hooks()
+    _install_one_hot_hook()
 
 
 _GETITEM = torch._C.TensorBase.__getitem__
@@ -430,3 +435,63 @@ def _install_initial_state_hooks() -> None:
         if getattr(current, "_functrans_initial_state_hook", False):
             continue
         setattr(_VF, name, hook_rnn_entry_point(name, current))
+
+
+# Note [one_hot of batched labels]
+# ``torch.nn.functional.one_hot`` is CompositeImplicitAutograd: it decomposes in C++ before any
+# op reaches the dispatcher.  For a plain tensor it checks the labels (``min() >= 0``, ``max() <
+# num_classes``, or infers ``num_classes = max() + 1``); for a tensor subclass such as a vmap
+# wrapper it skips the checks and compares the labels with ``arange(num_classes)``, so an
+# out-of-range label gives a row of zeros: a silent wrong answer (the reference library gives
+# the same zeros).  So ``install()`` wraps ``F.one_hot``: with batched labels it checks every
+# example's labels with one ``aminmax`` over the physical tensor (all examples of every level)
+# and raises eager's error, naming the offending label and num_classes; on CUDA the check is
+# ``torch._assert_async`` (no host sync; the error surfaces as a device-side assert, as eager's
+# CUDA one_hot does).  ``num_classes=-1`` infers the class count from the labels, a different
+# count (output shape) per example, so it is refused with a message asking for num_classes, as
+# the reference library refuses it.  Plain labels (and everything outside vmap) go to PyTorch's
+# own one_hot untouched.  A name bound before functrans was imported
+# (``from torch.nn.functional import one_hot``) is not hooked.
+def _checked_one_hot(original):
+    def one_hot(tensor, num_classes=-1):
+        if type(tensor) is BatchedTensor and tensor.dtype is torch.int64:
+            _check_labels(tensor, num_classes)
+        return original(tensor, num_classes)
+
+    one_hot._functrans_one_hot_hook = True
+    one_hot.__doc__ = original.__doc__
+    return one_hot
+
+
+def _check_labels(tensor, num_classes) -> None:
+    if num_classes < 0:
+        raise UnsupportedUnderVmap(
+            f"vmap: F.one_hot(labels, num_classes={num_classes}) infers the number of classes "
+            "from the largest label, which differs per example: the output's shape would "
+            "depend on the data. Pass num_classes explicitly (the number of classes of your "
+            "task), e.g. F.one_hot(labels, num_classes=10).")
+    labels = innermost(tensor)
+    if labels.numel() == 0:
+        return
+    lo, hi = torch.aminmax(labels)
+    if labels.is_cuda:
+        torch._assert_async((lo >= 0) & (hi < num_classes),
+                            "F.one_hot under vmap: class values must be in [0, num_classes)")
+        return
+    lo, hi = lo.item(), hi.item()
+    if lo < 0:
+        raise FunctransError(
+            f"Class values must be non-negative. F.one_hot(labels, num_classes={num_classes}) "
+            f"under vmap got the label {lo}; labels must lie in [0, {num_classes}).")
+    if hi >= num_classes:
+        raise FunctransError(
+            f"Class values must be smaller than num_classes. F.one_hot(labels, "
+            f"num_classes={num_classes}) under vmap got the label {hi}; labels must lie in "
+            f"[0, {num_classes}): pass a larger num_classes or fix the labels.")
+
+
+def _install_one_hot_hook() -> None:
+    """Wrap ``torch.nn.functional.one_hot``: see Note [one_hot of batched labels]."""
+    import torch.nn.functional as F
+    if not getattr(F.one_hot, "_functrans_one_hot_hook", False):
+        F.one_hot = _checked_one_hot(F.one_hot)

@@ -118,7 +118,10 @@ class Ensemble:
     Calling ``ens(*args, shared=True, **kwargs)`` runs every member: on the same inputs
     (``shared=True``; a result of per-member shape ``S`` comes back as ``(N, *S)``), or member
     ``i`` on ``args[j][i]`` for each tensor argument (``shared=False``: dim 0 of every tensor
-    argument must be N).  Keyword arguments are shared.
+    argument must be N).  Keyword arguments are shared.  Members with no parameters and no
+    buffers (``nn.ReLU()``, ``nn.Dropout()``) are one function N times: the result on shared
+    inputs is the same for every member (computed once, broadcast to ``(N, *S)``), except what
+    draws random numbers, which each member draws anew with ``randomness='different'``.
 
     Example:
         >>> import torch, functrans
@@ -176,6 +179,14 @@ class Ensemble:
             return functional_call(skeleton, (params, buffers), a, kwargs)
 
         data_dims = tuple(None if shared or not isinstance(a, torch.Tensor) else 0 for a in args)
+        if not self.params and not self.buffers:
+            # members without state (nn.ReLU(), nn.Dropout()): an empty mapped tensor gives
+            # vmap the number of members (see the class docstring)
+            def stateless(members: torch.Tensor, *a: Any) -> Any:
+                return functional_call(skeleton, {}, a, kwargs)
+
+            return vmap(stateless, in_dims=(0,) + data_dims, randomness=self.randomness,
+                        chunk_size=self.chunk_size)(torch.empty(self.size, 0), *args)
         return vmap(one, in_dims=(0, 0) + data_dims, randomness=self.randomness,
                     chunk_size=self.chunk_size)(self.params, self.buffers, *args)
 

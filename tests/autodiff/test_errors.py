@@ -52,7 +52,11 @@ def test_jvp_checks():
     raises(r"^jvp\(sin, primals, tangents\): the tangent for primals\[0\] has shape \(2,\)",
            lambda: ft.jvp(torch.sin, (x,), (torch.ones(2),)))
     raises(r"^jvp\(sin, primals, tangents\): tangents must have the same structure", lambda: ft.jvp(torch.sin, (x,), (x, x)))
-    raises(r"^jvp\(sin, primals, tangents\): the tangent for primals\[0\] has dtype", lambda: ft.jvp(torch.sin, (x,), (x.double(),)))
+    # another floating dtype is accepted, as by torch.func; a complex or integer one is not
+    raises(r"^jvp\(sin, primals, tangents\): the tangent for primals\[0\] has dtype torch.complex64",
+           lambda: ft.jvp(torch.sin, (x,), (x.to(torch.complex64),)))
+    raises(r"^jvp\(sin, primals, tangents\): the tangent for primals\[0\] has dtype torch.int64",
+           lambda: ft.jvp(torch.sin, (x,), (x.long(),)))
 
 
 def test_chunk_size_checks_name_the_api():

@@ -110,6 +110,79 @@ def test_outer_jvp_still_stops_in_a_disabled_region_around_an_inner_jvp():
     torch.testing.assert_close(ours[1], torch.zeros(3))
 
 
+def _shifted(x):
+    """PyTorch's test_disable_fwd_grad_inside: ``shift`` is a constant for forward mode only."""
+    with fwAD._set_fwd_grad_enabled(False):
+        shift = x ** 2
+    return x ** 2 - shift
+
+
+def _region_compositions(M, t):
+    """Compositions of module M's transforms over _shifted; some take functrans's double-vjp
+    route (nested jvp, jvp under vmap or under grad), which is reverse mode."""
+    f = _shifted
+    jvp_t = lambda g: (lambda y: M.jvp(g, (y,), (t,))[1])  # noqa: E731
+
+    def around_inner(y):  # the region around an inner jvp
+        with fwAD._set_fwd_grad_enabled(False):
+            return M.jvp(torch.sin, (y,), (t,))[1] * y
+    return {
+        "jvp": jvp_t(f),
+        "jvp(jvp)": jvp_t(jvp_t(f)),
+        "jvp(jvp(jvp))": jvp_t(jvp_t(jvp_t(lambda y: y * _shifted(y)))),
+        "jacfwd(jacfwd)": M.jacfwd(M.jacfwd(f)),
+        "hessian": M.hessian(f),
+        "jacrev(jacfwd)": M.jacrev(M.jacfwd(f)),
+        "grad(jvp tangent)": M.grad(jvp_t(f)),
+        "grad(jvp primal)": M.grad(lambda y: M.jvp(f, (y,), (t,))[0]),
+        "jvp(grad)": jvp_t(M.grad(f)),
+        "vmap(jvp(jvp))": lambda y: M.vmap(jvp_t(jvp_t(f)))(y.expand(3)),
+        "jvp(vmap(jvp))": jvp_t(lambda y: M.vmap(jvp_t(f))(y.expand(3))),
+        "jvp(around inner jvp)": jvp_t(around_inner),
+        "vmap(jvp(around inner jvp))": lambda y: M.vmap(jvp_t(around_inner))(y.expand(3)),
+        "grad(jvp(around inner jvp))": M.grad(jvp_t(around_inner)),
+    }
+
+
+def test_disable_fwd_grad_inside_nested_forward_mode_matches_the_reference():
+    """A value computed with forward AD switched off is a constant for every forward-mode
+    level, on jvp's double-vjp route too (it gave 0 for the nested jvp, where the reference
+    gives 2), and for no reverse-mode level (grad of the jvp's primal output stays 0)."""
+    x = torch.tensor(0.7)
+    t = torch.ones_like(x)
+    assert functrans.jvp(lambda y: functrans.jvp(_shifted, (y,), (t,))[1], (x,), (t,))[1] == 2
+    ours, ref = _region_compositions(functrans, t), _region_compositions(TF, t)
+    for name in ours:
+        torch.testing.assert_close(ours[name](x), ref[name](x), msg=name)
+    # finite differences of the forward-mode tangent 2y: d/dy = 2
+    eps = 1e-3
+    tangent = lambda y: functrans.jvp(_shifted, (y,), (t,))[1]  # noqa: E731
+    fd = (tangent(x.double() + eps) - tangent(x.double() - eps)) / (2 * eps)
+    torch.testing.assert_close(ours["jvp(jvp)"](x), fd.float())
+
+
+def test_disable_fwd_grad_outside_and_mixed_match_the_reference():
+    """PyTorch's test_disable_fwd_grad_outside / _mixed, and nested variants."""
+    x = torch.tensor(0.7)
+    t = torch.ones_like(x)
+    for enabled in (False, True):
+        with fwAD._set_fwd_grad_enabled(enabled):
+            for f in (torch.sin, _shifted):
+                torch.testing.assert_close(functrans.jvp(f, (x,), (t,)), TF.jvp(f, (x,), (t,)))
+                nested = [M.jvp(lambda y: M.jvp(f, (y,), (t,))[1], (x,), (t,))
+                          for M in (functrans, TF)]
+                torch.testing.assert_close(nested[0], nested[1])
+            assert _fwd_enabled() is enabled
+    torch.testing.assert_close(functrans.jvp(_shifted, (x,), (t,))[1], 2 * x)
+
+
+def test_linearize_of_a_function_with_a_disabled_region():
+    x, t, _ = _x()
+    out, jvp_fn = functrans.linearize(_shifted, x)
+    torch.testing.assert_close(jvp_fn(t), TF.jvp(_shifted, (x,), (t,))[1])
+    torch.testing.assert_close(jvp_fn(t), 2 * x * t)
+
+
 # ---- item 11: vjp_fn(cotangents, retain_graph, create_graph) ------------------------------
 
 def _both_vjp(x, f=torch.sin):
@@ -353,19 +426,95 @@ def test_jvp_tangent_dtypes_under_vmap_match_reference():
             xs, torch.ones(3, 3, dtype=torch.complex64))
 
 
-def test_jvp_tangent_of_another_dtype_outside_vmap_keeps_the_clear_error():
-    """Outside vmap the reference accepts a float64 tangent for a float32 primal (and returns a
-    float64 tangent); functrans keeps refusing it with a clear error, as it refuses a vjp_fn
-    cotangent of another dtype that the reference also accepts."""
+def _f64(*shape, seed=0):
+    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+# (name, primal, tangent): forward AD keeps a float64 tangent as given only when it has its
+# float32 primal's layout (then sin's output tangent is float64), else copies it into the
+# primal's layout and dtype (float32)
+_LAYOUTS = [
+    ("contiguous", lambda: torch.randn(2, 3), lambda: _f64(2, 3)),
+    ("strided", lambda: torch.randn(2, 3), lambda: _f64(2, 3, 5)[..., 0]),
+    ("transposed", lambda: torch.randn(2, 3), lambda: _f64(3, 2).t()),
+    ("expanded", lambda: torch.randn(2, 3), lambda: _f64(1, 3).expand(2, 3)),
+    ("slice of a bigger storage", lambda: torch.randn(2, 3), lambda: _f64(4, 3)[:2]),
+    ("storage offset", lambda: torch.randn(2, 3), lambda: _f64(12)[6:].view(2, 3)),
+    ("size-1 dim restrided", lambda: torch.randn(1, 3),
+     lambda: _f64(1, 3).as_strided((1, 3), (7, 1))),
+    ("transposed primal", lambda: torch.randn(3, 2).t(), lambda: _f64(2, 3)),
+]
+
+
+@pytest.mark.parametrize("name,primal,tangent", _LAYOUTS, ids=[c[0] for c in _LAYOUTS])
+def test_jvp_tangent_of_another_dtype_outside_vmap_follows_the_reference(name, primal, tangent):
+    """Outside vmap the reference accepts a float64 tangent for a float32 primal; its output
+    tangent's dtype follows forward AD's make_dual (see jvp's module docstring)."""
+    x, t = primal(), tangent()
+    ours = functrans.jvp(torch.sin, (x,), (t,))
+    ref = TF.jvp(torch.sin, (x,), (t,))
+    assert ours[1].dtype == ref[1].dtype
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+_BATCHED_LAYOUTS = [  # (name, primal, batched float64 tangents, in_dim): the reference's dtype
+    ("bdim 0", lambda: torch.randn(2, 3), lambda: _f64(5, 2, 3), 0),
+    ("bdim 0, slice of a bigger storage", lambda: torch.randn(2, 3), lambda: _f64(7, 2, 3)[:5], 0),
+    ("bdim 0, storage offset", lambda: torch.randn(2, 3), lambda: _f64(7, 2, 3)[2:], 0),
+    ("bdim 0, expanded", lambda: torch.randn(2, 3), lambda: _f64(1, 2, 3).expand(5, 2, 3), 0),
+    ("bdim 0, transposed primal", lambda: torch.randn(3, 2).t(), lambda: _f64(5, 2, 3), 0),
+    ("bdim 0, primal sliced", lambda: torch.randn(4, 3)[:2], lambda: _f64(5, 2, 3), 0),
+    ("bdim 1", lambda: torch.randn(2, 3), lambda: _f64(2, 5, 3), 1),
+    ("bdim -1", lambda: torch.randn(2, 3), lambda: _f64(2, 3, 5), -1),
+]
+
+
+@pytest.mark.parametrize("name,primal,tangents,in_dim", _BATCHED_LAYOUTS,
+                         ids=[c[0] for c in _BATCHED_LAYOUTS])
+def test_jvp_tangent_of_another_dtype_under_vmap_follows_the_reference(name, primal, tangents,
+                                                                       in_dim):
+    x, ts = primal(), tangents()
+    ours = functrans.vmap(lambda t: functrans.jvp(torch.sin, (x,), (t,))[1], in_dims=in_dim)(ts)
+    ref = TF.vmap(lambda t: TF.jvp(torch.sin, (x,), (t,))[1], in_dims=in_dim)(ts)
+    assert ours.dtype == ref.dtype
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    loop = torch.stack([TF.jvp(torch.sin, (x,), (t.to(ref.dtype),))[1]
+                        for t in ts.movedim(in_dim, 0)])
+    torch.testing.assert_close(ours, loop.to(ours.dtype), rtol=1e-6, atol=1e-6)
+
+
+def test_ggn_product_with_tangents_batched_last_gives_float32_as_the_reference():
+    """curvlinops' GGN matrix-vector product under a float64 default dtype: float64 tangents
+    batched on their last dim for a float32 nn.Linear.  Each example's tangent is strided, so
+    forward AD copies it into the float32 parameter's layout and dtype: float32 tangents out
+    (functrans gave float64).  Outside vmap, one strided example gives float32 as well."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    params = tuple(model.parameters())
+    x = torch.randn(4, 3)
+    vw, vb = _f64(2, 3, 5), _f64(2, 5, seed=1)
+    f = lambda w, b: torch.nn.functional.linear(x, w, b)  # noqa: E731
+    outs = [M.vmap(lambda a, b: M.jvp(f, params, (a, b))[1], in_dims=(2, 1), out_dims=2)(vw, vb)
+            for M in (functrans, TF)]
+    assert outs[0].dtype == outs[1].dtype == torch.float32
+    torch.testing.assert_close(outs[0], outs[1])
+    loop = torch.stack([x @ vw[..., i].float().t() + vb[:, i].float() for i in range(5)], 2)
+    torch.testing.assert_close(outs[0], loop)
+    one = functrans.jvp(f, params, (vw[..., 0], vb[:, 0]))[1]
+    assert one.dtype == TF.jvp(f, params, (vw[..., 0], vb[:, 0]))[1].dtype == torch.float32
+    torch.testing.assert_close(one, loop[..., 0])
+
+
+def test_linearize_jvp_fn_refuses_another_dtype_outside_vmap_as_the_reference():
     x, _, _ = _x()
     t = torch.linspace(-1, 1, 3, dtype=torch.float64)
-    assert TF.jvp(torch.sin, (x,), (t,))[1].dtype == torch.float64
+    _, ref_fn = TF.linearize(torch.sin, x)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ref_fn(t)
+    _, jvp_fn = functrans.linearize(torch.sin, x)
     with pytest.raises(TransformArgumentError,
                        match=r"tangent for primals\[0\] has dtype torch.float64.*"
                              r"\.to\(torch.float32\)"):
-        functrans.jvp(torch.sin, (x,), (t,))
-    _, jvp_fn = functrans.linearize(torch.sin, x)
-    with pytest.raises(TransformArgumentError, match="has dtype torch.float64"):
         jvp_fn(t)
 
 

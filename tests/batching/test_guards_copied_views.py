@@ -135,11 +135,24 @@ def test_as_strided_on_examples_that_own_their_memory():
     assert_same(got, torch.stack([f(a.clone()) for a in x]))   # each example a fresh tensor
 
 
-@pytest.mark.parametrize("make", [lambda x: x.t(), lambda x: x[:, 1:]])
-def test_as_strided_refuses_shared_or_interleaved_memory(make):
-    x = make(torch.randn(6, 6))   # examples interleaved / not starting their own storage
-    with pytest.raises(UnsupportedUnderVmap, match="owns an equal block of its storage"):
-        ft.vmap(lambda a: a.as_strided((2,), (1,), 0))(x)
+def test_as_strided_on_shared_or_interleaved_memory_follows_the_reference():
+    """Each example is viewed as example 0 is, at its own place in the storage (Note
+    [as_strided under vmap]): interleaved examples (x.t()) read across the batch as in
+    torch.func; a window starting before the example's own memory (x[:, 1:] at offset 0) is
+    refused, as there."""
+    x = torch.randn(6, 6).t()
+    f = lambda a: a.as_strided((2,), (1,), 0)
+    with ft.config.strict_fallback():
+        got = ft.vmap(f)(x)
+    assert_same(got, torch.func.vmap(f)(x))
+    assert_same(got, torch.stack([a.as_strided((2,), (1,), a.storage_offset()) for a in x]))
+    y = torch.randn(6, 6)[:, 1:]
+    with pytest.raises(RuntimeError):
+        torch.func.vmap(f)(y)
+    with pytest.raises(UnsupportedUnderVmap,
+                       match=r"reads storage elements \[0, 1\], but each example of x spans "
+                             r"storage elements \[1, 5\]"):
+        ft.vmap(f)(y)
 
 
 def test_vmap_of_vjp_of_circular_pad_with_empty_examples():

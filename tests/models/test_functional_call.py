@@ -145,6 +145,42 @@ def test_ensemble_shared_and_per_member_minibatches_and_a_training_step():
                     rtol=1e-5, atol=1e-6)
 
 
+def test_ensemble_of_members_without_parameters():
+    """An Ensemble of nn.ReLU() members raised "no input is mapped"; it runs now, as the loop
+    over members does, and as torch.func's stack_module_state + vmap does for buffer-only
+    members (with no state at all torch.func has nothing to map and refuses)."""
+    x, xs = torch.randn(5, 3), torch.randn(4, 5, 3)
+    relus = [nn.ReLU() for _ in range(4)]
+    with ft.config.strict_fallback():
+        ens = ft.Ensemble(relus)
+        assert_same(ens(x), torch.stack([m(x) for m in relus]))
+        assert_same(ens(xs, shared=False), torch.stack([m(a) for m, a in zip(relus, xs)]))
+        assert_same(ft.Ensemble(relus, chunk_size=3)(x), torch.stack([m(x) for m in relus]))
+        assert len(ens.members()) == 4
+    with pytest.raises(ValueError, match="Expected at least one Tensor"):
+        p, b = tf.stack_module_state(relus)
+        tf.vmap(lambda p, b, a: tf.functional_call(relus[0], (p, b), (a,)),
+                in_dims=(0, 0, None))(p, b, x)
+    # buffers only (BatchNorm without affine, training): as torch.func, and as the loop
+    norms = [nn.BatchNorm1d(3, affine=False) for _ in range(4)]
+    p, b = tf.stack_module_state(norms)
+    ref = tf.vmap(lambda p, b, a: tf.functional_call(norms[0], (p, b), (a,)),
+                  in_dims=(0, 0, None))(p, b, x)
+    with ft.config.strict_fallback():
+        assert_same(ft.Ensemble(norms)(x), ref)
+    assert_same(ref, torch.stack([m(x) for m in norms]))
+    # random members: one draw per member with randomness='different', one for all with 'same'
+    drop = [nn.Dropout(0.5) for _ in range(4)]
+    ones = torch.ones(50)
+    out = ft.Ensemble(drop, randomness="different")(ones)
+    assert out.shape == (4, 50) and not torch.equal(out[0], out[1])
+    assert set(out.unique().tolist()) <= {0.0, 2.0}
+    out = ft.Ensemble(drop, randomness="same")(ones)
+    assert all(torch.equal(out[0], o) for o in out)
+    with pytest.raises(RuntimeError, match="randomness='error'"):
+        ft.Ensemble(drop)(ones)
+
+
 def test_batch_norm_under_vmap_options():
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)) for _ in range(3)]

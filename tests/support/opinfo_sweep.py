@@ -16,8 +16,9 @@ One check = (op, sample, in_dims, nested or not).  functrans runs STRICT first
 * ``error``          any other exception (the message is recorded);
 * ``wrong``          a value differs from the loop oracle: the sweep FAILS on it.
 
-The oracle runs the op on each example made contiguous (the ``as_strided`` family: on a fresh
-clone), while the batch holds the examples at its strides (stacked at the in_dim): so a rule
+The oracle runs the op on each example made contiguous (``as_strided_scatter``: on a fresh
+clone; ``as_strided``: on a copy of the storage where the example sits where example 0 does),
+while the batch holds the examples at its strides (stacked at the in_dim): so a rule
 whose answer depends on a batched operand's memory layout fails here (issue 25).
 
 A check whose loop oracle itself fails on the drawn examples (or disagrees about NaNs) is
@@ -67,20 +68,7 @@ FUNCTRANS_OUTCOMES = ("rule", "decomposition", "fallback", "error", "wrong")
 TORCH_OUTCOMES = ("rule", "fallback", "error", "wrong")
 
 # Understood errors: {op id: reason}.  A "wrong" entry needs the lead's OK.
-_AS_STRIDED = ("as_strided addresses storage by absolute offsets: functrans runs it when each "
-               "example owns an equal block of the storage, or the batch's memory holds only its "
-               "examples each laid out as a fresh tensor (nested vmap with in_dims=0 works); an "
-               "interleaved batch (in_dims=-1) is refused, since strides computed from "
-               "x.stride() (stft, autograd) and strides meant for a fresh example (these "
-               "samples) would address different elements; torch.vmap runs it and gets it wrong")
-XFAILS: Dict[str, str] = {
-    "stft": _AS_STRIDED + "; stft frames its input with as_strided on the strides the "
-                          "function sees: batched (also under vmap∘vmap) when the input is "
-                          "padded (center=True) or passed with in_dims=0, refused for an "
-                          "unpadded in_dims=-1 input; an unfold-based framing would need a "
-                          "rule for the CompositeImplicit aten.stft, which cannot reach "
-                          "__torch_dispatch__",
-}
+XFAILS: Dict[str, str] = {}
 
 # Ops skipped whole, with the reason (counted in the report, never silently).
 _RANDOM_WORDS = ("rand", "normal", "bernoulli", "dropout", "multinomial", "uniform", "cauchy",
@@ -394,6 +382,13 @@ def run_torch(call, in_dims, nested, batched, expected,
     return ("fallback", "", tuple(slow)) if slow else ("rule", "", ())
 
 
+def _where_example_zero_sits(a: torch.Tensor, first: int) -> torch.Tensor:
+    """A fresh copy of ``a``'s storage, shifted so that ``a`` (an example of a batch whose
+    example 0 starts at storage offset ``first``) starts at ``first``, viewed as ``a``."""
+    whole = a.new_empty(0).set_(a.untyped_storage())
+    return whole[a.storage_offset() - first:].clone().as_strided(a.shape, a.stride(), first)
+
+
 def run_check(op, k, flat: FlatSample, dims: tuple, nested: bool,
               with_torch: bool, device="cpu") -> List[Check]:
     fixes = DOMAIN.get(op.name, {})
@@ -407,10 +402,17 @@ def run_check(op, k, flat: FlatSample, dims: tuple, nested: bool,
     base = dict(op=op_id(op), sample=k, shapes=[tuple(t.shape) for t in flat.tensors],
                 in_dims=dims, nested=nested)
     example_call = flat.call
-    if op.name.startswith("as_strided"):
-        # Storage-addressing ops: a slice of the stacked batch sits at an offset that depends on
-        # its index, so eager's own per-example result would depend on where the example is
-        # stored.  An example is a fresh tensor of its own (what vmap means by "one example").
+    if op.name in ("as_strided", "as_strided_copy"):
+        # Storage-addressing views: a slice of the stacked batch sits at an offset that depends
+        # on its index, and an absolute storage_offset means, for example i, the same place
+        # relative to it as for example 0 (Note [as_strided under vmap] in rules/views.py, the
+        # reference library's rule): each example is a fresh copy of the storage in which it
+        # sits where example 0 sits.
+        firsts = [t.storage_offset() for t in batched]
+        example_call = lambda *a: flat.call(  # noqa: E731
+            *[_where_example_zero_sits(t, f) for t, f in zip(a, firsts)])
+    elif op.name.startswith("as_strided"):
+        # as_strided_scatter writes into a fresh clone in eager: an example is a fresh tensor
         example_call = lambda *a: flat.call(*[t.clone() for t in a])  # noqa: E731
     else:
         # Every example contiguous: the answer must not depend on how a batched operand is

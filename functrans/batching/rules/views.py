@@ -15,25 +15,23 @@ Invariants:
   are checked on a meta tensor of the logical shape first, which raises eager PyTorch's own error
   (see ``_check_logical``).
 
-``as_strided`` (and ``as_strided_copy``, ``as_strided_scatter``) address storage by absolute
-offsets, so they have a per-example meaning only when each example stands for a fresh tensor of
-its own (what the per-example loop of an OpInfo test passes, ``example.clone()``).  Two layouts
-qualify.  (1) Each example owns its own block of the storage exactly as a fresh eager tensor
-would: the physical tensor tiles its whole storage, one block of ``stride(bdim)`` elements per
-example, starting at offset 0 (what autograd's ``new_empty_strided`` + ``as_strided`` gradient
-of an in-place slice write produces): every example's window is the same window of its own
-block, and the result is a view.  (2) The batch's memory holds nothing but its examples (offset
-0, dense, a storage of exactly its size; for nested vmap, the innermost physical tensor's), but
-the examples do not own equal blocks of it (nested vmap: the innermost physical tensor holds
-every level's batch), and each example's strides as the function sees them are those of a fresh
-tensor: each example is copied into a fresh block and windowed there; the result is a copy,
-recorded by ``guards.record_copy`` so that a write through it raises.  An interleaved batch
-(``in_dims=-1``) is refused: the function sees strides that interleave the batch, and strides
-computed from them (stft, autograd) would address other elements than strides meant for a
-fresh example (the OpInfo samples); no rule can tell which was meant.  Any other layout (a
-slice sharing storage with elements outside the batch) is refused too (never looped: a loop
-would read the wrong example's memory).  ``as_strided_scatter`` writes into a fresh clone in
-eager, so it takes route (2) whenever the example's strides are a fresh tensor's.
+Note [as_strided under vmap]
+``as_strided`` (and ``as_strided_copy``) address storage by absolute offsets.  Inside vmap a
+batched ``x`` shows example 0's view: its sizes, strides and storage offset (the physical
+tensor's).  ``x.as_strided(size, stride, offset)`` means, for example ``i``, the window
+``(size, stride)`` at ``offset + (start of example i - start of example 0)``: each example is
+viewed as example 0 is, at its own place in the storage (the reference library's rule; a loop
+over ``x[i].as_strided(size, stride, offset + x[i].storage_offset() - x.storage_offset())``
+gives the same).  So the result is one view, ``x.as_strided((B, *size), (x.stride(bdim),
+*stride), offset)``, under nested vmap too (the outer level lays its own batch over it).  The
+window must stay within the memory example 0's view spans (``[x.storage_offset(),
+x.storage_offset() + extent)``), as the reference checks: otherwise it would reach other
+examples' memory or none, and is refused.  Strides taken from ``x.stride()`` are those of the
+example's view; literal strides meant for a fresh example read other elements when the batch
+is interleaved with the example's dims (in_dims other than 0 on a tensor stacked there), as in
+the reference library.  ``as_strided_scatter`` writes into a fresh clone in eager, so it writes
+into a fresh block per example (``_fresh_examples``), whenever the example's strides are a fresh
+tensor's.
 
 ``view`` aliases whenever one example's view exists, and copies otherwise: see Note [view after
 moving the bdim] in ``batching/guards.py``, which also guards in-place writes into such copies.
@@ -49,8 +47,9 @@ from ..helpers import (ensure_bdim_front, logical_rank, move_bdim_to_front, norm
                        pad_to_rank, physical_dim)
 from ..op_schema import writes_self
 from .. import guards
-from ..batched_tensor import BatchedTensor, innermost
+from ..batched_tensor import BatchedTensor
 from ..registry import Decline, registrar
+from ...errors import FunctransError, UnsupportedUnderVmap
 
 aten = torch.ops.aten
 register_batch_rule = registrar("views")   # the rules below live in this file
@@ -455,21 +454,6 @@ def block_diag_rule(info, in_dims, tensors):
     return torch.cat(rows, 1), 0
 
 
-def _holds_only_its_examples(x) -> bool:
-    """Whether the memory of ``x`` (for a lower level's wrapper: of its innermost physical
-    tensor) holds its elements and nothing else: offset 0, non-overlapping and dense, and a
-    storage exactly that large.  Then every element of the storage belongs to one example, so
-    each example stands for a fresh tensor of its own (see the module docstring)."""
-    p = innermost(x)
-    if p.layout is not torch.strided or p.storage_offset() != 0:
-        return False
-    if p.untyped_storage().nbytes() != p.numel() * p.element_size():
-        return False
-    dense = _dense_strides(p.shape, p.stride())
-    return all(n <= 1 or s == d for n, s, d in zip(p.shape, p.stride(), dense))  # (a size-1
-    # dim's stride is arbitrary)
-
-
 def _dense_strides(shape, strides):
     """The strides of a dense tensor of ``shape`` whose dims are laid out in the memory order of
     ``strides`` (largest stride outermost; ties keep the dims' order)."""
@@ -534,30 +518,45 @@ def _window_overlaps(size, stride, offset, n) -> bool:
     return False
 
 
+def _footprint(size, stride) -> int:
+    """How many storage elements a view of ``size`` and ``stride`` spans from its offset
+    (ATen's ``storage_size_for``): 0 for an empty view."""
+    if any(n == 0 for n in size):
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(size, stride))
+
+
 @register_batch_rule(aten.as_strided.default)
 def as_strided_rule(info, in_dims, x, size, stride, storage_offset=None):
-    """See the module docstring: a view when the examples own equal blocks of the storage, a
-    copy of fresh examples when the batch's memory holds only its examples, else refused."""
+    """See Note [as_strided under vmap]: each example's window, at the storage offset asked
+    for relative to where example 0's view starts, laid over every example by the batch
+    stride; refused when the window leaves example 0's memory."""
     b = in_dims[0]
-    offset = 0 if storage_offset is None else storage_offset
-    if 0 in size and type(x) is not BatchedTensor:  # an empty window reads no memory
-        return x.as_strided((x.shape[b], *size), (0, *stride), x.storage_offset()), 0
-    if type(x) is not BatchedTensor and x.storage_offset() == 0:
-        block = x.stride(b)
-        owns_storage = x.untyped_storage().nbytes() == x.shape[b] * block * x.element_size()
-        shape, strides = list(x.shape), list(x.stride())
-        del shape[b], strides[b]
-        example_extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides) if n > 0)
-        window_end = offset + sum((n - 1) * st for n, st in zip(size, stride) if n > 0)
-        if owns_storage and example_extent <= block and offset >= 0 and window_end < block:
-            return x.as_strided((x.shape[b], *size), (block, *stride), offset), 0
-    if not (_holds_only_its_examples(x) and _fresh_layout(x, b)):
-        raise Decline()
-    P, n = _fresh_examples(x, b)
-    _check_window(size, stride, offset, n)
-    out = P.as_strided((P.shape[0], *size), (n, *stride), offset)
-    guards.record_copy(out, x)   # a write through it would not reach x: refused
-    return out, 0
+    if len(size) != len(stride):
+        raise FunctransError(
+            f"Tensor.as_strided(size={list(size)}, stride={list(stride)}): size and stride "
+            f"must have the same length (one stride per dim), got {len(size)} and "
+            f"{len(stride)}.")
+    base = x.storage_offset()
+    offset = base if storage_offset is None else storage_offset
+    shape, strides = list(x.shape), list(x.stride())
+    del shape[b], strides[b]
+    window, example = _footprint(size, stride), _footprint(shape, strides)
+    if window and (offset < base or offset + window > base + example):
+        call = f"x.as_strided({list(size)}, {list(stride)}, {offset})"
+        if not example:
+            where = "each example of x has no elements"
+        else:
+            where = (f"each example of x spans storage elements [{base}, "
+                     f"{base + example - 1}] (example 0; the others lie at multiples of the "
+                     f"batch stride {x.stride(b)} from it)")
+        raise UnsupportedUnderVmap(
+            f"vmap: {call} reads storage elements [{offset}, {offset + window - 1}], but "
+            f"{where}: the window would reach memory outside the example, which has no "
+            "per-example meaning. Keep size, stride and storage_offset within the example "
+            "(storage_offset counts from x.storage_offset(), as in eager), or express the "
+            "view with view/reshape/select/slice/unfold/diagonal/expand.")
+    return x.as_strided((x.shape[b], *size), (x.stride(b), *stride), offset), 0
 
 
 @register_batch_rule(aten.as_strided_scatter.default)

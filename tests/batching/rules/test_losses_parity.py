@@ -210,8 +210,41 @@ def test_one_hot_with_num_classes_matches_the_loop(in_dims):
 
 
 def test_one_hot_without_num_classes_is_refused_clearly():
-    with pytest.raises(UnsupportedUnderVmap, match="converted to a Python number"):
-        ft.vmap(F.one_hot)(classes(6, 4, 3))
+    """num_classes=-1 infers a per-example class count (a data-dependent shape): refused,
+    asking for num_classes, as torch.func refuses it."""
+    with pytest.raises(RuntimeError, match="explicit positive num_classes"):
+        torch.func.vmap(F.one_hot)(classes(6, 4, 3))
+    for f in (F.one_hot, lambda a: F.one_hot(a, -1)):
+        with pytest.raises(UnsupportedUnderVmap,
+                           match=r"one_hot\(labels, num_classes=-1\).*differs per example.*"
+                                 r"Pass num_classes explicitly"):
+            ft.vmap(f)(classes(6, 4, 3))
+        with pytest.raises(UnsupportedUnderVmap, match="Pass num_classes explicitly"):
+            ft.vmap(ft.vmap(f))(classes(6, 2, 4, 3))
+
+
+@pytest.mark.parametrize("bad,eager", [(6, "smaller than num_classes"), (-1, "non-negative")])
+def test_one_hot_with_an_out_of_range_label_raises_eagers_error(bad, eager):
+    """Out-of-range labels gave rows of zeros (and do in torch.func); eager raises, and so does
+    functrans now, naming the label and num_classes, in any example and under nested vmap."""
+    labels = classes(6, 4, 3)
+    labels[2, 1] = bad
+    with pytest.raises(RuntimeError, match=eager):
+        F.one_hot(labels[2], 6)
+    for in_dims in (0, 1):
+        with pytest.raises(RuntimeError,
+                           match=f"Class values must be {eager}.*num_classes=6.*label {bad}"):
+            ft.vmap(lambda a: F.one_hot(a, 6), in_dims=in_dims)(labels)
+    with pytest.raises(RuntimeError, match=f"label {bad}"):
+        ft.vmap(ft.vmap(lambda a: F.one_hot(a, num_classes=6)))(labels.reshape(2, 2, 3))
+    # in range: the loop's and torch.func's answer; an empty batch checks nothing
+    labels[2, 1] = 5
+    with ft.config.strict_fallback():
+        got = ft.vmap(lambda a: F.one_hot(a, 6))(labels)
+    assert torch.equal(got, torch.stack([F.one_hot(a, 6) for a in labels]))
+    assert torch.equal(got, torch.func.vmap(lambda a: F.one_hot(a, 6))(labels))
+    empty = ft.vmap(lambda a: F.one_hot(a, 6))(labels[:, :0])
+    assert empty.shape == (4, 0, 6)
 
 
 _LCE_OPTIONS = getattr(torch.nn, "LinearCrossEntropyOptions", None)

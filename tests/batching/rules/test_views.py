@@ -13,6 +13,7 @@ import torch
 import functrans
 from functrans.batching.op_schema import decomposes_above_dispatch
 from functrans.batching.registry import find_rule
+from functrans.errors import UnsupportedUnderVmap
 from tests.support.oracles import (assert_same, check_vmap, check_vmap_all_bdims, loop_oracle,
                                     make_batch)
 
@@ -471,3 +472,72 @@ def test_inplace_view_ops(name, f, shape):
         return t
     check_vmap(g, [torch.randn(shape)], [0])
     check_vmap(g, [torch.randn(shape)], [-1])
+
+
+# ---- as_strided: PyTorch's TestVmapOperators.test_as_strided -------------------------------
+
+def _as_strided_layouts(B0=5):
+    """The 9 input layouts of PyTorch's test: storage offsets, strided and moved batch dims."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return [r(B0, 2, 3), r(B0, 3, 2).transpose(1, 2), r(3, 2, B0).movedim(-1, 0).transpose(1, 2),
+            r(2, B0, 2, 3)[1], r(2, 2, B0, 3)[1].movedim(1, 0), r(B0, 2, 4, 3, 7)[:, :, 0, :, 0],
+            r(2, 4, B0, 3, 7).movedim(2, 0)[:, :, 0, :, 0], r(B0, 2, 4, 3, 7)[:, :, 2, :, 1],
+            r(2, 4, 3, 7, B0).movedim(-1, 0)[:, :, 2, :, 1]]
+
+
+@pytest.mark.parametrize("layout", range(9))
+def test_as_strided_of_pytorchs_test_matches_torch_func_and_the_loop(layout):
+    """expand / transpose / select / diagonal / slice written as as_strided, bdim 0 and -1: 10
+    cases per layout, 90 in all (functrans refused 60 of them): each gives torch.func's view,
+    which is the loop over each example's own view at the offset relative to example 0."""
+    x = _as_strided_layouts()[layout]
+    S0, S1 = x.stride()[1:]
+    off = x.storage_offset()
+    cases = [([5, 5, 2, 3], [0, 0, S0, S1], off, lambda t: t.expand(5, 5, 2, 3)),
+             ([3, 2], [S1, S0], off, lambda t: t.transpose(0, 1)),
+             ([2], [S0], off + S1, lambda t: t[:, 1]),
+             ([2], [S0 + S1], off, lambda t: t.diagonal()),
+             ([2], [S1 * 2], off, lambda t: t[0, ::2])]
+    for size, stride, offset, view in cases:
+        f = lambda t: t.as_strided(size, stride, offset)  # noqa: E731
+        for bdim, xs in ((0, x), (-1, x.movedim(0, -1))):
+            with functrans.config.strict_fallback():
+                got = functrans.vmap(f, in_dims=bdim)(xs)
+            assert got.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()  # a view
+            assert_same(got, torch.func.vmap(f, in_dims=bdim)(xs))
+            assert_same(got, torch.func.vmap(view, in_dims=bdim)(xs))
+            assert_same(got, torch.stack([e.as_strided(size, stride, offset + e.storage_offset()
+                                                       - x.storage_offset())
+                                          for e in xs.movedim(bdim, 0)]))
+
+
+def test_as_strided_nested_and_refusals_of_pytorchs_test():
+    B0, B1 = 5, 7
+    x = torch.randn(B1, B0, 2, 3)
+    S0, S1 = x.stride()[2:]
+    f = lambda t: t.as_strided([5, 5, 2, 3], [0, 0, S0, S1])  # noqa: E731
+    with functrans.config.strict_fallback():
+        got = functrans.vmap(functrans.vmap(f), in_dims=1)(x)
+    assert_same(got, torch.func.vmap(torch.func.vmap(f), in_dims=1)(x))
+    assert_same(got, x.movedim(1, 0)[:, :, None, None].expand(B0, B1, 5, 5, 2, 3))
+    with pytest.raises(RuntimeError, match="size and stride must have the same length"):
+        functrans.vmap(lambda t: t.as_strided([1, 1, 1], [1, 1]))(
+            torch.randn(B0, 2, 3).transpose(0, 1))
+    # windows outside each example's memory: refused, as torch.func refuses them
+    outside = [(lambda t: t.as_strided([3], [1], 1), torch.randn(B0, 3), r"\[1, 3\].*\[0, 2\]"),
+               (lambda t: t.as_strided([4, 4], [4, 1], 0), torch.randn(B0, 3, 5),
+                r"\[0, 15\].*\[0, 14\]"),
+               (lambda t: t.as_strided([3], [1], B0 * 3 - 1), torch.randn(2, B0, 3)[1],
+                r"\[14, 16\].*\[15, 17\]"),
+               (lambda t: t.as_strided([3], [1]), torch.randn(B0, 0, 3),
+                r"\[0, 2\], but each example of x has no elements")]
+    for g, xs, where in outside:
+        with pytest.raises(RuntimeError, match="not supported inside of vmap"):
+            torch.func.vmap(g)(xs)
+        with pytest.raises(UnsupportedUnderVmap, match=r"vmap: x.as_strided\(.*reads storage "
+                                                       r"elements " + where):
+            functrans.vmap(g)(xs)
+    with pytest.raises(UnsupportedUnderVmap, match="reads storage elements"):
+        functrans.vmap(functrans.vmap(lambda t: t.as_strided([4, 4], [4, 1], 0)))(
+            torch.randn(B0, B1, 3, 5))
