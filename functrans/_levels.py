@@ -23,6 +23,7 @@ import itertools
 import threading
 from typing import Iterator, List
 
+import torch
 import torch.autograd.forward_ad as fwAD
 
 _ids = itertools.count(1)
@@ -30,14 +31,17 @@ _tls = threading.local()
 
 
 class Level:
-    __slots__ = ("id", "kind", "alive")
+    __slots__ = ("id", "kind", "alive", "compiling")
     # kinds: "vmap" (VmapLevel), "grad" (grad/vjp/jacrev), "jvp" (forward mode): the last two
     # are autodiff.levels.AutodiffLevel; "functionalize" only takes an id (never pushed).
+    # compiling: made while torch.compile traced (the transform runs inside a compiled
+    # region), as opposed to a transform running eagerly around a torch.compile'd call.
 
     def __init__(self, kind: str):
         self.id = next(_ids)
         self.kind = kind
         self.alive = True
+        self.compiling = torch.compiler.is_compiling()
 
     def __repr__(self) -> str:
         state = "" if self.alive else ", dead"

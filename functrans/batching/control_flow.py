@@ -72,7 +72,6 @@ from torch._higher_order_ops.cond import cond_op
 from torch._higher_order_ops.map import map_impl
 from torch._higher_order_ops.scan import scan_op
 from torch._higher_order_ops.while_loop import while_loop_op
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from .. import _levels
@@ -82,7 +81,6 @@ from .mode import VmapLevelMode
 
 _AUTOGRAD_KEYS = ("AutogradCPU", "AutogradCUDA", "AutogradXPU", "AutogradMPS", "AutogradMeta",
                   "AutogradHPU", "AutogradPrivateUse1", "AutogradOther")
-_FAKE_KEY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
 
 
 def _batched(x: Any) -> bool:
@@ -339,16 +337,15 @@ IMPLEMENTATIONS = {cond_op: run_cond, while_loop_op: run_while_loop, scan_op: ru
 
 def _functrans_call(args) -> bool:
     """Is this HOP call functrans's to run?  Yes while a functrans transform is active (or a
-    ``BatchedTensor`` is among its arguments), unless it runs on fake tensors (a dynamo or
-    AOTAutograd trace: torch's own implementation builds the graph node)."""
-    leaves = pytree.tree_leaves(args)
-    if not _levels.stack() and not any(_batched(x) for x in leaves):
+    ``BatchedTensor`` is among its arguments), except while dynamo compiles torch's front-end
+    (``torch.cond`` runs its operator in an internal ``torch.compile``) under a transform that
+    runs eagerly: dynamo propagates fake tensors through the operator to build its graph node,
+    and the compiled graph's real call comes back here.  A transform made inside a compiled
+    region (``torch.compile(functrans.jvp(f))``, traced by AOTAutograd) runs it desugared."""
+    stack = _levels.stack()
+    if not stack and not any(_batched(x) for x in pytree.tree_leaves(args)):
         return False
-    if any(isinstance(x, FakeTensor) for x in leaves):
-        return False
-    if _FAKE_KEY is not None and torch._C._get_dispatch_mode(_FAKE_KEY) is not None:
-        return False
-    return True
+    return not torch.compiler.is_compiling() or bool(stack and stack[-1].compiling)
 
 
 def _autograd_kernel(hop, impl):
