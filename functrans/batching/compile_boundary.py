@@ -111,6 +111,23 @@ def install() -> None:
 _mode_exit = VmapLevelMode.__exit__
 
 
+def skip_recursively(fn) -> None:
+    """Dynamo never converts ``fn``'s frames, nor any frame run below them (as for the engine's
+    entry points).  Does nothing where this torch has no frame strategy API."""
+    if _set_strategy is not None:
+        skip = _frames._FrameAction.SKIP
+        _set_strategy(fn.__code__, _frames._FrameExecStrategy(skip, skip))
+
+
+def unmark(codes) -> None:
+    """Give ``codes`` back dynamo's default frame strategy (dynamo marks a frame it skipped for
+    a dispatch mode as skipped for good; see the module docstring, 2.)."""
+    if _set_strategy is not None:
+        default = _frames._FrameAction.DEFAULT
+        for code in codes:
+            _set_strategy(code, _frames._FrameExecStrategy(default, default))
+
+
 def _exit_and_unmark(self, exc_type, exc_val, exc_tb):
     """``VmapLevelMode.__exit__``: the mode's own exit, then the codes dynamo skipped under it
     get back the default frame strategy (see the module docstring, 2.)."""

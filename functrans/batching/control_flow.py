@@ -58,11 +58,13 @@ example's gradient ``nan`` (JAX and ``torch.func`` behave the same).  ``associat
 with ``combine_mode='generic'`` never reaches the HOP: torch's front-end runs it eagerly with
 ``torch.vmap`` over the combine function, on functrans's tensors.
 
-Imports: _levels, errors, batched_tensor, mode.
+Imports: _levels, errors, batched_tensor, compile_boundary, mode.
 """
 from __future__ import annotations
 
 import functools
+import importlib
+import types
 from typing import Any, Callable, List, Sequence
 
 import torch
@@ -76,6 +78,7 @@ from torch.utils import _pytree as pytree
 
 from .. import _levels
 from ..errors import UnsupportedUnderVmap
+from . import compile_boundary
 from .batched_tensor import BatchedTensor, innermost
 from .mode import VmapLevelMode
 
@@ -348,22 +351,52 @@ def _functrans_call(args) -> bool:
     return not torch.compiler.is_compiling() or bool(stack and stack[-1].compiling)
 
 
+def _front_end_codes() -> List[Any]:
+    """The code objects of the functions torch's front-ends hand to their internal
+    ``torch.compile`` (``_cond_op_wrapper``, ``run_flattened_scan``, ...)."""
+    fronts = [getattr(importlib.import_module(f"torch._higher_order_ops.{name}"), name)
+              for name in ("cond", "while_loop", "scan", "associative_scan", "map")]
+    return [c for f in fronts for c in f.__code__.co_consts
+            if isinstance(c, types.CodeType) and c.co_name in _FRONT_END_WRAPPERS]
+
+
+_FRONT_END_WRAPPERS = {"_cond_op_wrapper", "_while_loop_op_wrapper", "run_flattened_scan",
+                       "run_flattened_associative_scan", "run_flattened_map"}
+_codes: List[Any] = []
+
+
+def _run(impl, args, kwargs):
+    """Run the desugared form.  Dynamo skipped torch's front-end frame to get here (a dispatch
+    mode was active) and marked its code as skipped for good, which would leave a later
+    ``torch.cond`` outside functrans uncompiled (and ``scan``'s front-end broken: it unpacks
+    the compiled result's structure): give those codes back dynamo's default."""
+    try:
+        return impl(*args, **kwargs)
+    finally:
+        compile_boundary.unmark(_codes)
+
+
 def _autograd_kernel(hop, impl):
     torch_kernel = hop.py_kernels[DispatchKey.Autograd]
 
     def kernel(*args, **kwargs):
         if _functrans_call(args):
-            return impl(*args, **kwargs)
+            return _run(impl, args, kwargs)
         return torch_kernel(*args, **kwargs)
 
-    kernel.__name__ = f"functrans_{hop.name()}_autograd"
     return kernel
 
 
 def _mode_kernel(impl):
     def kernel(mode, *args, **kwargs):
         with mode:   # the HOP dispatcher popped it; the desugared ops must reach it again
-            return impl(*args, **kwargs)
+            return _run(impl, args, kwargs)
+    return kernel
+
+
+def _subclass_kernel(impl):
+    def kernel(*args, **kwargs):
+        return _run(impl, args, kwargs)
     return kernel
 
 
@@ -375,15 +408,21 @@ def install() -> None:
     Idempotent."""
     if _installed:
         return
+    _codes.extend(_front_end_codes())
     for hop, impl in IMPLEMENTATIONS.items():
+        kernels = []
         if DispatchKey.Autograd in hop.py_kernels:
-            kernel = _autograd_kernel(hop, impl)
+            kernels.append(_autograd_kernel(hop, impl))
             for name in _AUTOGRAD_KEYS:
                 key = getattr(DispatchKey, name, None)
                 if key is not None and key not in hop.py_kernels:
-                    hop.py_impl(key)(kernel)
+                    hop.py_impl(key)(kernels[-1])
         if VmapLevelMode not in hop.python_key_table:
-            hop.py_impl(VmapLevelMode)(_mode_kernel(impl))
+            kernels.append(hop.py_impl(VmapLevelMode)(_mode_kernel(impl)))
         if BatchedTensor not in hop.python_key_table:
-            hop.py_impl(BatchedTensor)(impl)
+            kernels.append(hop.py_impl(BatchedTensor)(_subclass_kernel(impl)))
+        for kernel in kernels:
+            # dynamo never converts a frame below them: a front-end dynamo skipped (a dispatch
+            # mode was active) would otherwise hand it this kernel's frame to convert
+            compile_boundary.skip_recursively(kernel)
         _installed.append(hop)
