@@ -63,7 +63,7 @@ Imports: _levels, errors, batched_tensor, compile_boundary, mode.
 from __future__ import annotations
 
 import functools
-import importlib
+import sys
 import types
 from typing import Any, Callable, List, Sequence
 
@@ -354,8 +354,8 @@ def _functrans_call(args) -> bool:
 def _front_end_codes() -> List[Any]:
     """The code objects of the functions torch's front-ends hand to their internal
     ``torch.compile`` (``_cond_op_wrapper``, ``run_flattened_scan``, ...)."""
-    fronts = [getattr(importlib.import_module(f"torch._higher_order_ops.{name}"), name)
-              for name in ("cond", "while_loop", "scan", "associative_scan", "map")]
+    modules = [sys.modules[type(hop).__module__] for hop in IMPLEMENTATIONS]
+    fronts = [getattr(m, m.__name__.rpartition(".")[2]) for m in modules]   # cond.cond, ...
     return [c for f in fronts for c in f.__code__.co_consts
             if isinstance(c, types.CodeType) and c.co_name in _FRONT_END_WRAPPERS]
 
