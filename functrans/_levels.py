@@ -10,8 +10,8 @@ level.  The stack tells transforms what surrounds them (does an outer transform 
 is a vmap active for a tensor-less random op?) and lets tests check that nothing leaked.
 
 What this module owns: what vmap, functionalize and autodiff all use: the stack, ``Level``,
-``VmapLevel``, ``pushed`` and ``forward_ad_state``.  Autodiff's own bookkeeping (its levels'
-differentiation order, the ownership of the process-wide forward-AD level) lives in
+``VmapLevel``, ``pushed``, ``forward_ad_state`` and ``compiling``.  Autodiff's own bookkeeping
+(its levels' differentiation order, the ownership of the process-wide forward-AD level) lives in
 ``functrans/autodiff/levels.py``, which records the owner here (``set_forward_ad_owner``).
 
 Imports: nothing (torch only; never functrans.autodiff or functrans.batching).
@@ -24,6 +24,7 @@ import threading
 from typing import Iterator, List
 
 import torch
+import torch._guards
 import torch.autograd.forward_ad as fwAD
 
 _ids = itertools.count(1)
@@ -41,7 +42,7 @@ class Level:
         self.id = next(_ids)
         self.kind = kind
         self.alive = True
-        self.compiling = torch.compiler.is_compiling()
+        self.compiling = compiling()
 
     def __repr__(self) -> str:
         state = "" if self.alive else ", dead"
@@ -62,6 +63,13 @@ class VmapLevel(Level):
         state = "" if self.alive else ", dead"
         return (f"VmapLevel(id={self.id}, batch_size={self.batch_size}, "
                 f"randomness={self.randomness!r}{state})")
+
+
+def compiling() -> bool:
+    """Is torch.compile tracing (dynamo, or AOTAutograd behind it)?  ``is_compiling()`` alone
+    is False during dynamo's fake-tensor runs of a higher-order operator on torch 2.11; the
+    tracing context is set then."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
 
 
 def stack() -> List[Level]:

@@ -348,7 +348,7 @@ def _functrans_call(args) -> bool:
     stack = _levels.stack()
     if not stack and not any(_batched(x) for x in pytree.tree_leaves(args)):
         return False
-    return not torch.compiler.is_compiling() or bool(stack and stack[-1].compiling)
+    return not _levels.compiling() or bool(stack and stack[-1].compiling)
 
 
 def _front_end_codes() -> List[Any]:

@@ -11,6 +11,7 @@ itself (torch batches that one).
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -84,13 +85,23 @@ def scan_f(xs, w, **kw):
     return c["h"], c["s"], ys
 
 
+@functools.lru_cache(maxsize=None)
+def _scan_stacks_at_dim() -> bool:
+    """Does this torch's scan stack the outputs at ``dim`` (2.13) or at 0 (2.11)?  Asked of
+    torch's own eager operator on one tiny call (one carry, one output)."""
+    with torch.compiler.set_stance("force_eager"):
+        _, ys = scan(lambda c, x: (c + x, (c * 1).clone()), torch.zeros(2), torch.zeros(2, 3),
+                     dim=1)
+    return ys.shape == (2, 3)
+
+
 def scan_ref(xs, w, dim=0, reverse=False):
     step, c, ys = _scan_step(w), {"h": torch.zeros(3), "s": torch.zeros(())}, []
     order = range(xs.shape[dim])
     for t in (reversed(order) if reverse else order):
         c, y = step(c, xs.select(dim, t))
         ys.append(y)
-    ys = torch.stack(ys[::-1] if reverse else ys, dim)
+    ys = torch.stack(ys[::-1] if reverse else ys, dim if dim and _scan_stacks_at_dim() else 0)
     return c["h"], c["s"], ys
 
 
