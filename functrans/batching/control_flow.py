@@ -105,7 +105,12 @@ def run_cond(pred, true_fn, false_fn, operands):
     per-example ``torch.where`` for a batched one (see the module docstring)."""
     if not _batched(pred):
         return true_fn(*operands) if bool(pred) else false_fn(*operands)
-    true_out, false_out = true_fn(*operands), false_fn(*operands)
+    tensors = [t for t in pytree.tree_leaves(operands) if isinstance(t, torch.Tensor)]
+    versions = [t._version for t in tensors]
+    true_out = true_fn(*operands)
+    _check_unwritten("true_fn", tensors, versions)
+    false_out = false_fn(*operands)
+    _check_unwritten("false_fn", tensors, versions)
     true_leaves, true_spec = pytree.tree_flatten(true_out)
     false_leaves, false_spec = pytree.tree_flatten(false_out)
     hint = ("Make both branches return the same structure, with tensors of one shape and "
@@ -125,6 +130,17 @@ def run_cond(pred, true_fn, false_fn, operands):
             f"(torch.where); output {i} cannot be selected per example: true_fn returned "
             f"{_describe(a)} and false_fn {_describe(b)} ({why}). {hint}")))
     return pytree.tree_unflatten(out, true_spec)
+
+
+def _check_unwritten(branch: str, tensors, versions) -> None:
+    for i, (t, v) in enumerate(zip(tensors, versions)):
+        if t._version != v:
+            raise UnsupportedUnderVmap(
+                f"torch.cond under functrans.vmap: {branch} wrote into operand {i} in place. "
+                "The predicate differs per example, so both branches run on the whole batch, "
+                "and the write would reach the other branch and the examples that do not take "
+                f"this one. Return the new value instead of writing it (x = x + 1, not "
+                "x.add_(1)), or write into a clone.")
 
 
 def _select(pred, new, old, error: Callable[[str], Exception]):

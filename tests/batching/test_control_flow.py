@@ -400,6 +400,12 @@ def test_cond_and_while_gradients_match_finite_differences():
         torch.testing.assert_close(g, fd, rtol=1e-6, atol=1e-7)
 
 
+def test_vmap_of_hessian_with_batched_predicate():
+    x, w = _mixed_x(), torch.randn(4, 4)
+    got = functrans.vmap(functrans.hessian(_scalar(cond_f)))(x, w)
+    assert_same(got, _per_example(torch.func.hessian, _scalar(cond_ref), x, w))
+
+
 def test_grad_of_vmap_and_vmap_of_grad_with_batched_predicate():
     x, w = _mixed_x(), torch.randn(4)
     # grad outside a vmap of a batched cond: autograd over the physical batch
@@ -433,6 +439,22 @@ def test_cond_branches_of_different_shapes_under_a_batched_predicate():
     p_f = lambda x, p: torch.cond(p.sum() > 0, lambda x: x * 2, lambda x: x[:2], (x,))
     x = _mixed_x()
     assert_same(functrans.vmap(p_f, in_dims=(0, None))(x, torch.ones(1)), x * 2)
+
+
+def test_cond_branch_writing_into_an_operand_under_a_batched_predicate():
+    def f(x):
+        def grow(x):
+            x.mul_(2)
+            return x.clone()
+        return torch.cond(x.sum() > 0, grow, lambda x: x - 1, (x.clone(),))
+    with pytest.raises(UnsupportedUnderVmap, match=r"true_fn wrote into operand 0 in place"
+                       r"(.|\n)*Return the new value"):
+        functrans.vmap(f)(_mixed_x())
+    # one branch per call when the predicate is shared: the write is the eager one
+    g = lambda x, p: torch.cond(p.sum() > 0, lambda x: x.mul_(2).clone(), lambda x: x - 1,
+                                (x.clone(),))
+    x = _mixed_x()
+    assert_same(functrans.vmap(g, in_dims=(0, None))(x, torch.ones(1)), x * 2)
 
 
 def test_while_loop_python_int_carry_that_differs_per_example():
