@@ -10,8 +10,9 @@ level.  The stack tells transforms what surrounds them (does an outer transform 
 is a vmap active for a tensor-less random op?) and lets tests check that nothing leaked.
 
 What this module owns: what vmap, functionalize and autodiff all use: the stack, ``Level``,
-``VmapLevel``, ``pushed``, ``forward_ad_state`` and ``compiling``.  Autodiff's own bookkeeping
-(its levels' differentiation order, the ownership of the process-wide forward-AD level) lives in
+``VmapLevel``, ``pushed``, ``forward_ad_state``, ``compiling`` (is torch.compile tracing?) and
+``compile_trace`` (the mark of a ``functrans.compile`` trace).  Autodiff's own bookkeeping (its
+levels' differentiation order, the ownership of the process-wide forward-AD level) lives in
 ``functrans/autodiff/levels.py``, which records the owner here (``set_forward_ad_owner``).
 
 Imports: nothing (torch only; never functrans.autodiff or functrans.batching).
@@ -70,6 +71,26 @@ def compiling() -> bool:
     is False during dynamo's fake-tensor runs of a higher-order operator on torch 2.11; the
     tracing context is set then."""
     return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+
+
+def compile_trace() -> contextlib.AbstractContextManager:
+    """Marks the thread while ``functrans.compile`` traces a function (``compiler/tracer.py``):
+    the engine then runs torch's control-flow operators as Python control flow, so that the
+    trace records them as it records functrans's transforms."""
+    return _counted("compile_traces")
+
+
+def in_compile_trace() -> bool:
+    return getattr(_tls, "compile_traces", 0) > 0
+
+
+@contextlib.contextmanager
+def _counted(name: str) -> Iterator[None]:
+    setattr(_tls, name, getattr(_tls, name, 0) + 1)
+    try:
+        yield
+    finally:
+        setattr(_tls, name, getattr(_tls, name) - 1)
 
 
 def stack() -> List[Level]:

@@ -106,7 +106,7 @@ def run_cond(pred, true_fn, false_fn, operands):
     if not _batched(pred):
         return true_fn(*operands) if bool(pred) else false_fn(*operands)
     tensors = [t for t in pytree.tree_leaves(operands) if isinstance(t, torch.Tensor)]
-    versions = [t._version for t in tensors]
+    versions = [_version(t) for t in tensors]
     true_out = true_fn(*operands)
     _check_unwritten("true_fn", tensors, versions)
     false_out = false_fn(*operands)
@@ -132,9 +132,14 @@ def run_cond(pred, true_fn, false_fn, operands):
     return pytree.tree_unflatten(out, true_spec)
 
 
+def _version(t: torch.Tensor) -> Any:
+    """``t._version``, or None for an inference tensor (it keeps no version counter)."""
+    return None if t.is_inference() else t._version
+
+
 def _check_unwritten(branch: str, tensors, versions) -> None:
     for i, (t, v) in enumerate(zip(tensors, versions)):
-        if t._version != v:
+        if v is not None and t._version != v:
             raise UnsupportedUnderVmap(
                 f"torch.cond under functrans.vmap: {branch} wrote into operand {i} in place. "
                 "The predicate differs per example, so both branches run on the whole batch, "
@@ -356,13 +361,14 @@ IMPLEMENTATIONS = {cond_op: run_cond, while_loop_op: run_while_loop, scan_op: ru
 
 def _functrans_call(args) -> bool:
     """Is this HOP call functrans's to run?  Yes while a functrans transform is active (or a
-    ``BatchedTensor`` is among its arguments), except while dynamo compiles torch's front-end
+    ``BatchedTensor`` is among its arguments, or ``functrans.compile`` traces), except while dynamo compiles torch's front-end
     (``torch.cond`` runs its operator in an internal ``torch.compile``) under a transform that
     runs eagerly: dynamo propagates fake tensors through the operator to build its graph node,
     and the compiled graph's real call comes back here.  A transform made inside a compiled
     region (``torch.compile(functrans.jvp(f))``, traced by AOTAutograd) runs it desugared."""
     stack = _levels.stack()
-    if not stack and not any(_batched(x) for x in pytree.tree_leaves(args)):
+    if not stack and not _levels.in_compile_trace() \
+            and not any(_batched(x) for x in pytree.tree_leaves(args)):
         return False
     return not _levels.compiling() or bool(stack and stack[-1].compiling)
 

@@ -508,6 +508,22 @@ def test_compiled_while_loop_runs_eagerly_never_a_stale_graph():
         assert_same(h(x), _per_example(torch.func.grad, _scalar(CASES["while_loop"][1]), x))
 
 
+def test_compiled_without_a_transform():
+    """functrans.compile of the operators alone: scan/map unroll into the graph; a cond on an
+    unbatched predicate reads it (bool), so the function runs eagerly, after a warning."""
+    f, ref, make = CASES["scan"]
+    g = functrans.compile(f)
+    for k in range(2):
+        args = tuple(a[k] for a in make())
+        assert_same(g(*args), ref(*args))
+    assert g.cache_info().hits == 1 and g.cache_info().eager_calls == 0
+    c = functrans.compile(cond_f)
+    x, w = _mixed_x(2), torch.randn(4)
+    with pytest.warns(CompileWarning, match="reads a tensor's value"):
+        assert_same(c(x[0], w), cond_ref(x[0], w))
+    assert_same(c(x[1], w), cond_ref(x[1], w))       # the other branch: eager, right
+
+
 # ---------------------------------------------------------------- torch outside functrans
 
 def test_torch_alone_is_unchanged():
