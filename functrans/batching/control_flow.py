@@ -86,8 +86,18 @@ _AUTOGRAD_KEYS = ("AutogradCPU", "AutogradCUDA", "AutogradXPU", "AutogradMPS", "
                   "AutogradHPU", "AutogradPrivateUse1", "AutogradOther")
 
 
+def _unwrapped(x: Any) -> Any:
+    """``x`` with the functional wrappers of ``functrans.functionalize`` taken off (under
+    ``vmap(functionalize(f))`` a predicate is a functional wrapper of a BatchedTensor)."""
+    while isinstance(x, torch.Tensor) and torch._is_functional_tensor(x):
+        torch._sync(x)
+        x = torch._from_functional_tensor(x)
+    return x
+
+
 def _batched(x: Any) -> bool:
-    return type(x) is BatchedTensor
+    return type(x) is BatchedTensor or (
+        isinstance(x, torch.Tensor) and type(_unwrapped(x)) is BatchedTensor)
 
 
 def _describe(x: Any) -> str:
@@ -201,7 +211,7 @@ def run_while_loop(cond_fn, body_fn, carried_inputs, additional_inputs, *_, **__
         pred = cond_fn(*carry, *extra)
         _check_predicate(pred)
         if _batched(pred):
-            if not bool(innermost(pred).any()):
+            if not bool(innermost(_unwrapped(pred)).any()):
                 break
         elif not bool(pred):
             break

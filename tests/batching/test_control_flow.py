@@ -421,6 +421,21 @@ def test_grad_of_vmap_and_vmap_of_grad_with_batched_predicate():
     assert_same(got, torch.stack([torch.func.grad(ref)(w3, xi) for xi in xs]))
 
 
+def test_more_compositions():
+    x, w, t = _mixed_x(), torch.randn(4, 4), torch.randn(4, 4)
+    batched = lambda x: functrans.vmap(cond_f)(x, w)
+    ref = lambda x: torch.stack([cond_ref(a, b) for a, b in zip(x, w)])
+    assert_same(functrans.jvp(batched, (x,), (t,)), torch.func.jvp(ref, (x,), (t,)))
+    assert_same(functrans.jacfwd(batched)(x), torch.func.jacfwd(ref)(x))
+    assert_same(functrans.linearize(batched, x)[1](t), torch.func.jvp(ref, (x,), (t,))[1])
+    assert_same(functrans.vmap(cond_f, chunk_size=3)(x, w), ref(x))
+    assert_same(functrans.functionalize(functrans.vmap(cond_f))(x, w), ref(x))
+    # under vmap(functionalize(f)) the predicate is a functional wrapper of a batched tensor
+    assert_same(functrans.vmap(functrans.functionalize(cond_f))(x, w), ref(x))
+    xs = torch.stack([torch.full((3,), v) for v in (0.05, 0.5, 2.0)])
+    assert_same(functrans.vmap(functrans.functionalize(while_f))(xs), _loop(while_ref, (0,), xs))
+
+
 # ------------------------------------------------------------------------------ errors
 
 def test_cond_branches_of_different_shapes_under_a_batched_predicate():
