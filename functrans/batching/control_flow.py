@@ -44,7 +44,8 @@ outputs.  So the results are shaped as each route expects: flat for a traced gra
 own dense kernels return them), the front-end's structure for its wrapper (torch's dense
 kernels get that wrong when dynamo is skipped: ``scan`` of two carries fails to unpack).
 
-Inside ``functrans.compile`` the desugared form is what is traced: a ``scan``/``map``/
+Inside ``functrans.compile`` (with or without a transform: its tracer marks the trace,
+``_levels.compile_trace``) the desugared form is what is traced: a ``scan``/``map``/
 ``associative_scan``, and a ``cond`` with a batched predicate, unroll into the graph; an
 unbatched ``cond`` predicate and every ``while_loop`` test read a tensor's value (``bool()``),
 which the compiler's tracer sees as a data-dependent op: the function then runs eagerly, with
@@ -77,7 +78,7 @@ from torch._higher_order_ops.while_loop import while_loop_op
 from torch.utils import _pytree as pytree
 
 from .. import _levels
-from ..errors import UnsupportedUnderVmap
+from ..errors import FunctransError, UnsupportedUnderVmap
 from . import compile_boundary
 from .batched_tensor import BatchedTensor, innermost
 from .mode import VmapLevelMode
@@ -115,6 +116,8 @@ def run_cond(pred, true_fn, false_fn, operands):
     per-example ``torch.where`` for a batched one (see the module docstring)."""
     if not _batched(pred):
         return true_fn(*operands) if bool(pred) else false_fn(*operands)
+    if pred.dtype != torch.bool:
+        pred = pred != 0   # the truth value `if pred:` takes
     tensors = [t for t in pytree.tree_leaves(operands) if isinstance(t, torch.Tensor)]
     versions = [_version(t) for t in tensors]
     true_out = true_fn(*operands)
@@ -185,7 +188,7 @@ def _check_predicate(pred) -> None:
         return
     if isinstance(pred, torch.Tensor) and pred.dtype == torch.bool and pred.dim() == 0:
         return
-    raise UnsupportedUnderVmap(
+    raise FunctransError(
         "torch._higher_order_ops.while_loop: cond_fn must return a boolean scalar tensor (or a "
         f"Python bool), but returned {_describe(pred)}. Return e.g. `(x < limit).all()` or "
         "`i < n` for a 0-d tensor i.")
@@ -217,7 +220,7 @@ def run_while_loop(cond_fn, body_fn, carried_inputs, additional_inputs, *_, **__
             break
         new, out_spec = pytree.tree_flatten(body_fn(*carry, *extra))
         if len(new) != len(carry):
-            raise UnsupportedUnderVmap(
+            raise FunctransError(
                 "torch._higher_order_ops.while_loop: body_fn must return as many carried "
                 f"values as it takes ({len(carry)}), but returned {len(new)}. Return the new "
                 "value of every carried input, in the same structure.")
@@ -267,7 +270,7 @@ def _stack(columns: Sequence[Sequence[Any]]) -> List[Any]:
         elif all(isinstance(c, torch.Tensor) for c in col):
             out.append(torch.stack(list(col)))
         else:
-            raise UnsupportedUnderVmap(
+            raise FunctransError(
                 "a scan/map body returned a non-tensor output "
                 f"({_describe(next(c for c in col if not isinstance(c, torch.Tensor)))}), "
                 "which cannot be stacked across steps. Return tensors.")
@@ -294,7 +297,7 @@ def run_scan(combine_fn, init, xs, additional_inputs):
             leaves = pytree.tree_leaves(combine_fn(*carry, *step_xs, *extra))
             carry, y_leaves = leaves[:len(init)], leaves[len(init):]
         if len(carry) != len(init):
-            raise UnsupportedUnderVmap(
+            raise FunctransError(
                 f"torch._higher_order_ops.scan: combine_fn returned {len(carry)} carried "
                 f"values where init has {len(init)}. Return the next carry with init's "
                 "structure.")
@@ -350,7 +353,7 @@ def run_associative_scan(combine_fn, xs, additional_inputs):
     def combine(a, b):
         leaves = pytree.tree_leaves(combine_fn(*a, *b, *extra))
         if len(leaves) != len(xs):
-            raise UnsupportedUnderVmap(
+            raise FunctransError(
                 f"torch._higher_order_ops.associative_scan: combine_fn returned {len(leaves)} "
                 f"values for inputs of {len(xs)}. Return one value per input, in the inputs' "
                 "structure.")
