@@ -374,11 +374,12 @@ IMPLEMENTATIONS = {cond_op: run_cond, while_loop_op: run_while_loop, scan_op: ru
 
 def _functrans_call(args) -> bool:
     """Is this HOP call functrans's to run?  Yes while a functrans transform is active (or a
-    ``BatchedTensor`` is among its arguments, or ``functrans.compile`` traces), except while dynamo compiles torch's front-end
-    (``torch.cond`` runs its operator in an internal ``torch.compile``) under a transform that
-    runs eagerly: dynamo propagates fake tensors through the operator to build its graph node,
-    and the compiled graph's real call comes back here.  A transform made inside a compiled
-    region (``torch.compile(functrans.jvp(f))``, traced by AOTAutograd) runs it desugared."""
+    ``BatchedTensor`` is among its arguments, or ``functrans.compile`` traces), except while
+    dynamo compiles torch's front-end (``torch.cond`` runs its operator in an internal
+    ``torch.compile``) under a transform that runs eagerly: dynamo propagates fake tensors
+    through the operator to build its graph node, and the compiled graph's real call comes back
+    here.  A transform made inside a compiled region (``torch.compile(functrans.jvp(f))``,
+    traced by AOTAutograd) runs it desugared."""
     stack = _levels.stack()
     if not stack and not _levels.in_compile_trace() \
             and not any(_batched(x) for x in pytree.tree_leaves(args)):
