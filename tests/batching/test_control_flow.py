@@ -218,6 +218,29 @@ def test_cond_unbatched_predicate_runs_one_branch():
     assert calls == ["true"]
 
 
+def test_operators_nested_in_branches():
+    def f(x):
+        return torch.cond(
+            x.sum() > 0,
+            lambda x: torch.cond(x[0] > 0.5, lambda x: x * 2, lambda x: x * 3, (x,)),
+            lambda x: scan(lambda c, xi: (c + xi, (c * xi).clone()), torch.zeros(()), x)[1],
+            (x,))
+
+    def ref(x):
+        if x.sum() > 0:
+            return x * 2 if x[0] > 0.5 else x * 3
+        c, ys = torch.zeros(()), []
+        for xi in x:
+            ys.append(c * xi)
+            c = c + xi
+        return torch.stack(ys)
+
+    x = torch.tensor([[1.0, 2.0, 0.1], [0.2, 2.0, 0.1], [-1.0, -2.0, 0.5], [-3.0, 0.5, 0.5]])
+    assert_same(functrans.vmap(f)(x), _loop(ref, (0,), x))
+    assert_same(functrans.vmap(functrans.grad(lambda x: f(x).sum()))(x),
+                _per_example(torch.func.grad, lambda x: ref(x).sum(), x))
+
+
 def test_while_loop_vmap_different_trip_counts():
     x = torch.stack([torch.full((3,), v) for v in (0.05, 0.5, 2.0, 4.0, -1.0)])
     expected = _loop(while_ref, (0,), x)
