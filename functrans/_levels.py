@@ -10,8 +10,9 @@ level.  The stack tells transforms what surrounds them (does an outer transform 
 is a vmap active for a tensor-less random op?) and lets tests check that nothing leaked.
 
 What this module owns: what vmap, functionalize and autodiff all use: the stack, ``Level``,
-``VmapLevel``, ``pushed`` and ``forward_ad_state``.  Autodiff's own bookkeeping (its levels'
-differentiation order, the ownership of the process-wide forward-AD level) lives in
+``VmapLevel``, ``pushed``, ``forward_ad_state``, ``compiling`` (is torch.compile tracing?) and
+``compile_trace`` (the mark of a ``functrans.compile`` trace).  Autodiff's own bookkeeping (its
+levels' differentiation order, the ownership of the process-wide forward-AD level) lives in
 ``functrans/autodiff/levels.py``, which records the owner here (``set_forward_ad_owner``).
 
 Imports: nothing (torch only; never functrans.autodiff or functrans.batching).
@@ -23,6 +24,8 @@ import itertools
 import threading
 from typing import Iterator, List
 
+import torch
+import torch._guards
 import torch.autograd.forward_ad as fwAD
 
 _ids = itertools.count(1)
@@ -30,14 +33,17 @@ _tls = threading.local()
 
 
 class Level:
-    __slots__ = ("id", "kind", "alive")
+    __slots__ = ("id", "kind", "alive", "compiling")
     # kinds: "vmap" (VmapLevel), "grad" (grad/vjp/jacrev), "jvp" (forward mode): the last two
     # are autodiff.levels.AutodiffLevel; "functionalize" only takes an id (never pushed).
+    # compiling: made while torch.compile traced (the transform runs inside a compiled
+    # region), as opposed to a transform running eagerly around a torch.compile'd call.
 
     def __init__(self, kind: str):
         self.id = next(_ids)
         self.kind = kind
         self.alive = True
+        self.compiling = compiling()
 
     def __repr__(self) -> str:
         state = "" if self.alive else ", dead"
@@ -58,6 +64,33 @@ class VmapLevel(Level):
         state = "" if self.alive else ", dead"
         return (f"VmapLevel(id={self.id}, batch_size={self.batch_size}, "
                 f"randomness={self.randomness!r}{state})")
+
+
+def compiling() -> bool:
+    """Is torch.compile tracing (dynamo, or AOTAutograd behind it)?  ``is_compiling()`` alone
+    is False during dynamo's fake-tensor runs of a higher-order operator on torch 2.11; the
+    tracing context is set then."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+
+
+def compile_trace() -> contextlib.AbstractContextManager:
+    """Marks the thread while ``functrans.compile`` traces a function (``compiler/tracer.py``):
+    the engine then runs torch's control-flow operators as Python control flow, so that the
+    trace records them as it records functrans's transforms."""
+    return _counted("compile_traces")
+
+
+def in_compile_trace() -> bool:
+    return getattr(_tls, "compile_traces", 0) > 0
+
+
+@contextlib.contextmanager
+def _counted(name: str) -> Iterator[None]:
+    setattr(_tls, name, getattr(_tls, name, 0) + 1)
+    try:
+        yield
+    finally:
+        setattr(_tls, name, getattr(_tls, name) - 1)
 
 
 def stack() -> List[Level]:

@@ -16,16 +16,19 @@ the fallback.  The files, in the order an op meets them:
   report.py          record_fallbacks(), batching_coverage(), batching_rules()
   op_schema.py       what is read from an op itself: names, written arguments, kernels
   compile_boundary.py torch.compile'd functions under vmap: eager, one warning, no graph breaks
+  control_flow.py    torch.cond/while_loop/scan/associative_scan/map under every transform
 
 Importing this package registers the built-in rules (``rules``) and installs, explicitly, the
 patches functrans makes outside its own objects: the hooks of ``above_dispatch``,
-``torch.autograd.Function.apply`` (``custom_function``) and dynamo's frame strategy for the
-engine's entry points (``compile_boundary``).  Importing any single module of it
+``torch.autograd.Function.apply`` (``custom_function``), dynamo's frame strategy for the
+engine's entry points (``compile_boundary``) and the control-flow operators' implementations
+under functrans's transforms (``control_flow``).  Importing any single module of it
 patches nothing.
 
-Imports: api, batched_tensor, above_dispatch, compile_boundary, custom_function, rules.
+Imports: api, batched_tensor, above_dispatch, compile_boundary, control_flow, custom_function,
+rules.
 """
-from . import above_dispatch, compile_boundary, custom_function
+from . import above_dispatch, compile_boundary, control_flow, custom_function
 from . import rules  # noqa: F401  (importing registers every built-in rule)
 from .api import vmap
 from .batched_tensor import BatchedTensor
@@ -33,5 +36,6 @@ from .batched_tensor import BatchedTensor
 above_dispatch.install()
 custom_function.install()
 compile_boundary.install()
+control_flow.install()
 
 __all__ = ["vmap", "BatchedTensor"]

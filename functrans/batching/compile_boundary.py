@@ -22,7 +22,10 @@ What this module does (``install()``, called by ``functrans/batching/__init__.py
 2. ``VmapLevelMode.ignore_compile_internals`` (dynamo's extension point for "may torch.compile
    trace while this mode is active?") answers False, as before, and the first time dynamo asks
    it during one vmap call (that is: a compiled function was entered under that vmap) it warns
-   once with a ``functrans.CompileWarning`` saying the function runs eagerly and why.
+   once with a ``functrans.CompileWarning`` saying the function runs eagerly and why; except
+   below torch's control-flow front-ends (``torch.cond`` and the others of
+   ``torch/_higher_order_ops/`` compile their operator call internally: the user compiled
+   nothing, and ``control_flow.py`` runs the operator).
    Dynamo marks a frame it skipped for a dispatch mode as skipped for good (its default
    ``ConvertFrameReturn``: SKIP, applied to the code): one call under a vmap left the function
    uncompiled everywhere after, until ``torch._dynamo.reset()``.  So the code objects dynamo was
@@ -74,6 +77,10 @@ _ENTER_CODE = TorchDispatchMode.__enter__.__code__
 # AOTAutograd's message when a backward receives a tensor subclass where the traced forward
 # saw a plain tensor (torch/_functorch/_aot_autograd/runtime_wrappers.py).
 _BATCHED_TANGENT = "we guessed its metadata incorrectly"
+# torch.cond, while_loop, scan, associative_scan and map run their operator inside an internal
+# torch.compile (these functions of torch/_higher_order_ops/ call it); dynamo skips it under a
+# vmap, with no loss: control_flow.py runs the operator.
+_HOP_FRONT_ENDS = ("_hop_compile_and_call", "_maybe_compile_and_run_fn", "cond", "while_loop")
 _warned_level_id = [0]   # the last vmap level warned about: one warning per vmap call
 _skipped_codes = []      # codes dynamo skipped under a vmap: unmarked when the vmap's mode exits
 _frames = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
@@ -104,6 +111,23 @@ def install() -> None:
 _mode_exit = VmapLevelMode.__exit__
 
 
+def skip_recursively(fn) -> None:
+    """Dynamo never converts ``fn``'s frames, nor any frame run below them (as for the engine's
+    entry points).  Does nothing where this torch has no frame strategy API."""
+    if _set_strategy is not None:
+        skip = _frames._FrameAction.SKIP
+        _set_strategy(fn.__code__, _frames._FrameExecStrategy(skip, skip))
+
+
+def unmark(codes) -> None:
+    """Give ``codes`` back dynamo's default frame strategy (dynamo marks a frame it skipped for
+    a dispatch mode as skipped for good; see the module docstring, 2.)."""
+    if _set_strategy is not None:
+        default = _frames._FrameAction.DEFAULT
+        for code in codes:
+            _set_strategy(code, _frames._FrameExecStrategy(default, default))
+
+
 def _exit_and_unmark(self, exc_type, exc_val, exc_tb):
     """``VmapLevelMode.__exit__``: the mode's own exit, then the codes dynamo skipped under it
     get back the default frame strategy (see the module docstring, 2.)."""
@@ -129,6 +153,18 @@ def _converting_code():
     return None
 
 
+def _under_control_flow_front_end() -> bool:
+    """Is dynamo asking from inside torch's own compile of a control-flow operator's call?"""
+    f = sys._getframe(2)
+    while f is not None:
+        code = f.f_code
+        if code.co_name in _HOP_FRONT_ENDS and \
+                "torch/_higher_order_ops/" in code.co_filename.replace("\\", "/"):
+            return True
+        f = f.f_back
+    return False
+
+
 def _compile_refused(cls) -> bool:
     """``VmapLevelMode.ignore_compile_internals``: always False (dynamo must not trace while a
     vmap level is active); warns once per vmap call when dynamo asks while converting a frame,
@@ -139,6 +175,8 @@ def _compile_refused(cls) -> bool:
     code = _converting_code() if _set_strategy is not None else None
     if code is not None:
         _skipped_codes.append(code)
+    if _under_control_flow_front_end():
+        return False   # torch.cond & co compiled their own call: the user compiled nothing
     level = next((lv for lv in reversed(_levels.stack()) if lv.kind == "vmap"), None)
     if level is not None and level.id != _warned_level_id[0]:
         _warned_level_id[0] = level.id

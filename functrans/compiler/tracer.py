@@ -18,7 +18,7 @@ What this module owns
 - ``tracing()``: whether this thread is inside a trace (a compiled function called inside
   another's trace runs eagerly: its ops are recorded in the outer graph).
 
-Imports: compiler.guards.
+Imports: _levels, compiler.guards.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from .. import _levels
 from .guards import Captured, object_arguments
 
 _tls = threading.local()
@@ -206,14 +207,17 @@ def trace(fn, args: tuple, kwargs: dict, tensors: List[torch.Tensor], *,
     collecting = gc.isenabled()
     gc.disable()     # make_fx makes many short-lived objects: the collector cost ~20% of a trace
     try:
-        if symbolic:
-            # no duck sizing: a batch of 2 beside a feature dim of 2 must not tie the two
-            # sizes together (one graph per such coincidence)
-            with _no_duck_sizes():
-                gm = make_fx(flat, tracing_mode="symbolic",
-                             _allow_non_fake_inputs=True)(*tensors)
-        else:
-            gm = make_fx(flat, tracing_mode="real")(*tensors)
+        # control-flow operators (torch.cond, scan, ...) are traced as the Python control flow
+        # they stand for (batching/control_flow.py), as under functrans's transforms
+        with _levels.compile_trace():
+            if symbolic:
+                # no duck sizing: a batch of 2 beside a feature dim of 2 must not tie the two
+                # sizes together (one graph per such coincidence)
+                with _no_duck_sizes():
+                    gm = make_fx(flat, tracing_mode="symbolic",
+                                 _allow_non_fake_inputs=True)(*tensors)
+            else:
+                gm = make_fx(flat, tracing_mode="real")(*tensors)
     finally:
         _tls.depth -= 1
         if collecting:
