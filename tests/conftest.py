@@ -5,6 +5,11 @@ from functrans import _levels
 
 
 def pytest_configure(config):
+    # functrans.compile's default backend "tiered" compiles hot graphs with Inductor in the
+    # background; in the suite that would be seconds of compiler per hot graph beside the
+    # tests.  Held back here; tests/compiler/test_tiering.py lowers the threshold.
+    from functrans.compiler import tiering
+    tiering.HOT_SECONDS = float("inf")
     config.addinivalue_line("markers", "sweep: the full OpInfo sweep (long; run with -m sweep)")
     config.addinivalue_line("markers", "cuda: needs a CUDA device")
 

@@ -72,6 +72,7 @@ class EntryInfo:
     trace_seconds: float
     symbolic: bool
     notes: List[str]
+    tier: str = ""      # backend "tiered": the tier serving the entry now, and why
 
 
 @dataclass
@@ -92,7 +93,8 @@ class CacheInfo:
         for i, e in enumerate(self.entries):
             lines.append(f"  entry {i}: {e.backend}, {e.ops} ops, traced in "
                          f"{e.trace_seconds:.3f} s{', symbolic sizes' if e.symbolic else ''}"
-                         + "".join(f"; {n}" for n in e.notes))
+                         + "".join(f"; {n}" for n in e.notes)
+                         + (f"; {e.tier}" if e.tier else ""))
         lines += [f"  retraced: {r}" for r in self.retrace_reasons]
         if self.eager_reason:
             lines.append(f"  runs eagerly: {self.eager_reason}")
@@ -181,7 +183,8 @@ class GraphCache:
 
     def info(self, eager_reason: Optional[str]) -> CacheInfo:
         with self.lock:
-            entries = [EntryInfo(e.backend, e.ops, e.trace_seconds, e.symbolic, list(e.notes))
+            entries = [EntryInfo(e.backend, e.ops, e.trace_seconds, e.symbolic, list(e.notes),
+                                 e.run.state() if hasattr(e.run, "state") else "")
                        for variants in self.entries.values() for e in variants
                        if not e.symbolic]
             return CacheInfo(entries, self.hits, self.misses, self.eager_calls,

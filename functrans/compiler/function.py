@@ -15,14 +15,15 @@ recorded in that graph), under a forward-AD level the caller opened, on argument
 (``Trace.untraceable``) runs eagerly from then on, after one ``CompileWarning`` naming the op
 and the line (``strict=True``: ``UntraceableError`` instead).
 
-Imports: _levels, errors, compiler.guards, compiler.cache, compiler.tracer, compiler.backends,
-compiler.passes.
+Imports: _levels, errors, compiler.guards, compiler.cache, compiler.tracer, compiler.tiering,
+compiler.backends, compiler.passes.
 """
 from __future__ import annotations
 
 import functools
 import os
 import threading
+import time
 import traceback
 import warnings
 import weakref
@@ -33,7 +34,7 @@ import torch.utils._pytree as pytree
 
 from .. import _levels
 from ..errors import CompileWarning, TransformArgumentError, UntraceableError, transform_call
-from . import backends, passes, tracer
+from . import backends, passes, tiering, tracer
 from .cache import CacheInfo, Entry, EntryInfo, GraphCache
 from .guards import (Unguardable, call_key, describe_difference, dynamic_key,
                      only_sizes_differ, shape_guard)
@@ -83,7 +84,7 @@ class CompiledFunction:
         self._cache = GraphCache(cache_size)
         self._eager_reason: Optional[str] = None
         # dynamic sizes: graphs traced with symbolic sizes, keyed by guards.dynamic_key
-        self._symbolic = dynamic is True and backend == "replay"
+        self._symbolic = dynamic is True and backend in ("replay", "tiered")
         self._dynamic: Dict[Any, List[Entry]] = {}
         _all_compiled.add(self)
 
@@ -114,7 +115,8 @@ class CompiledFunction:
                 return entry.outputs(entry.run(tensors))
         latest = self._cache.latest()
         why = None if latest is None else describe_difference(latest.key, key)
-        if (latest is not None and self.dynamic is None and self.backend == "replay"
+        if (latest is not None and self.dynamic is None
+                and self.backend in ("replay", "tiered")
                 and only_sizes_differ(latest.key, key)):
             self._symbolic = True      # a second size: from now on, trace sizes symbolically
         out = self._miss(key, args, kwargs, tensors, why)
@@ -212,12 +214,21 @@ class CompiledFunction:
         notes.extend(getattr(run, "notes", ()))   # what a backend chose inside (cudagraphs)
         if backend == "inductor":
             run = self._with_replay_fallback(run, trace, tensors, notes)
+        if backend == "tiered":
+            run = tiering.Tiered(run, cast(torch.fx.GraphModule, trace.graph_module),
+                                 backends.build_inductor_from)
         gm = cast(torch.fx.GraphModule, trace.graph_module)  # an entry is made of a graph
         constants = [c for c in trace.constants.values() if isinstance(c, torch.Tensor)]
         entry = Entry(key, run, trace.captured, constants, trace.out_spec, trace.out_leaves,
                       trace.out_tensor_positions, passes.count_ops(gm.graph), trace.seconds,
                       backend, gm, getattr(run, "__source__", None))
         entry.notes.extend(notes)
+        if isinstance(run, tiering.Tiered):
+            entry.backend = "replay"
+
+            def promoted(tier: str, why: str, entry: Entry = entry) -> None:
+                entry.backend = tier
+            run.on_change = promoted
         return entry
 
     def _with_replay_fallback(self, run: Callable[[List[Any]], List[Any]], trace: tracer.Trace,
@@ -271,6 +282,17 @@ class CompiledFunction:
                                       "one graph per size")
         return info
 
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until no background Inductor compilation of this function's graphs is pending
+        (backend ``"tiered"``); whether none is.  Calls never need this: they replay meanwhile."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for entry in self._cache.all_entries():
+            if isinstance(entry.run, tiering.Tiered):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not entry.run.wait(left):
+                    return False
+        return True
+
     def cache_clear(self) -> None:
         self._cache.clear()
         self._dynamic.clear()
@@ -299,7 +321,7 @@ def compile(fn: None = ..., *, backend: str = ..., dynamic: Optional[bool] = ...
             ) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
 
 
-def compile(fn: Optional[Callable[..., Any]] = None, *, backend: str = "replay",
+def compile(fn: Optional[Callable[..., Any]] = None, *, backend: str = "tiered",
             dynamic: Optional[bool] = None, strict: bool = False, cache_size: int = 8
             ) -> Union[CompiledFunction, Callable[[Callable[..., Any]], CompiledFunction]]:
     """Trace ``fn`` (typically a transform stack: ``compile(vmap(grad(loss)))``) once per
@@ -315,8 +337,10 @@ def compile(fn: Optional[Callable[..., Any]] = None, *, backend: str = "replay",
 
     Args:
         fn: the function to compile; ``None`` returns a decorator with these settings.
-        backend: ``'replay'`` (the traced graph replayed op by op, no compiler needed),
-            ``'inductor'`` or ``'cudagraphs'``.
+        backend: ``'tiered'`` (the default: the graph replayed at once, and compiled by
+            Inductor in the background once it stays hot, swapped in when ready and measured
+            faster; no call waits for Inductor), or one pinned: ``'replay'`` (the traced graph
+            replayed op by op, no compiler needed), ``'inductor'`` or ``'cudagraphs'``.
         dynamic: ``True``: trace sizes symbolically, so one graph serves every size its shape
             guards allow; ``False``: one graph per size; ``None``: static, symbolic after a
             second size is seen.
@@ -324,8 +348,8 @@ def compile(fn: Optional[Callable[..., Any]] = None, *, backend: str = "replay",
         cache_size: how many graphs to keep (least recently used evicted beyond it).
 
     Returns:
-        A ``CompiledFunction`` (callable like ``fn``, with ``cache_info()`` and
-        ``cache_clear()``), or, with ``fn=None``, a decorator that makes one.
+        A ``CompiledFunction`` (callable like ``fn``, with ``cache_info()``,
+        ``cache_clear()`` and ``wait()``), or, with ``fn=None``, a decorator that makes one.
 
     Raises:
         TransformArgumentError: an unknown backend, a bad ``dynamic``/``strict``/``cache_size``,

@@ -1,6 +1,8 @@
 """The backends a traced graph can run on.
 
-- ``"replay"`` (replay.py, the default): the cleaned graph as generated straight-line Python.
+- ``"tiered"`` (the default): the replay, then Inductor once the graph is hot and measured
+  faster (compiler/tiering.py wraps the replay).
+- ``"replay"`` (replay.py): the cleaned graph as generated straight-line Python.
 - ``"inductor"`` (inductor.py): the graph functionalized and compiled by PyTorch's Inductor.
 - ``"cudagraphs"`` (cudagraphs.py): the replay captured in a CUDA graph (CUDA tensors only).
 
@@ -21,7 +23,7 @@ from .. import passes
 from ..tracer import Trace
 from . import cudagraphs, inductor, replay
 
-BACKENDS = ("replay", "inductor", "cudagraphs")
+BACKENDS = ("tiered", "replay", "inductor", "cudagraphs")
 
 
 class BackendUnavailable(Exception):
@@ -30,7 +32,7 @@ class BackendUnavailable(Exception):
 
 def build(backend: str, trace: Trace, inputs: List[torch.Tensor]) -> Callable[[list], list]:
     gm = trace.graph_module
-    if backend == "replay":
+    if backend in ("replay", "tiered"):     # tiered: the replay first (compiler/tiering.py)
         passes.clean(gm.graph, keep_autograd=trace.needs_autograd)
         gm.recompile()
         return replay.build(gm, keep_autograd=trace.needs_autograd)
@@ -42,3 +44,11 @@ def build(backend: str, trace: Trace, inputs: List[torch.Tensor]) -> Callable[[l
     passes.clean(gm.graph, keep_autograd=trace.needs_autograd)
     gm.recompile()
     return cudagraphs.build(gm, inputs, trace.needs_autograd, BackendUnavailable)
+
+
+def build_inductor_from(gm, inputs: List[torch.Tensor]) -> Callable[[list], list]:
+    """The inductor backend on a graph module of its own (the tiered backend's copy of an
+    entry's replayed graph)."""
+    passes.clean(gm.graph, keep_autograd=True)
+    gm.recompile()
+    return inductor.build(gm, inputs, BackendUnavailable)

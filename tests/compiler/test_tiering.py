@@ -1,0 +1,132 @@
+"""The default backend "tiered" (functrans/compiler/tiering.py): replay at once, Inductor in the
+background once a graph is hot, swapped in only when ready, equal and faster; no call waits.
+Every answer is compared with torch.func.  The rest of the suite runs with tiering held back
+(tests/conftest.py); these tests lower the threshold."""
+import threading
+import time
+
+import pytest
+import torch
+import torch.func
+
+import functrans
+from functrans.compiler import backends, tiering
+
+
+def loss(w, x, y):
+    return ((torch.tanh(x @ w) - y) ** 2).sum()
+
+
+@pytest.fixture
+def hot_soon(monkeypatch):
+    monkeypatch.setattr(tiering, "HOT_CALLS", 3)
+    monkeypatch.setattr(tiering, "HOT_SECONDS", 0.0)
+
+
+def _data(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 4, generator=g), torch.randn(6, 8, generator=g), \
+        torch.randn(6, 4, generator=g)
+
+
+def _run(compiled, calls):
+    reference = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))
+    for i in range(calls):
+        w, x, y = _data(i)
+        torch.testing.assert_close(compiled(w, x, y), reference(w, x, y))
+
+
+def _compiled():
+    return functrans.compile(functrans.vmap(functrans.grad(loss), in_dims=(None, 0, 0)))
+
+
+def test_hot_graph_moves_to_inductor_when_faster(hot_soon, monkeypatch):
+    monkeypatch.setattr(tiering, "TRIAL_CALLS", 2)
+    compiled = _compiled()
+    assert compiled.backend == "tiered"
+    _run(compiled, 5)
+    assert compiled.wait(timeout=300)
+    # the trial measured as instant, so the choice does not hang on this machine's timing
+    monkeypatch.setattr(tiering.time, "perf_counter", lambda: 0.0)
+    _run(compiled, 4)
+    monkeypatch.undo()
+    info = compiled.cache_info()
+    assert [e.backend for e in info.entries] == ["inductor"], str(info)
+    assert "compiled by Inductor in the background" in info.entries[0].tier, str(info)
+    assert "tier: inductor" in str(info)
+    _run(compiled, 3)                            # served by Inductor's graph now
+    assert compiled.cache_info().misses == 1
+
+
+def _with_build(monkeypatch, build):
+    monkeypatch.setattr(backends, "build_inductor_from", build)
+
+
+def test_inductor_failure_keeps_replay(hot_soon, monkeypatch):
+    def fails(gm, inputs):
+        raise RuntimeError("no C++ compiler here")
+    _with_build(monkeypatch, fails)
+    compiled = _compiled()
+    _run(compiled, 5)
+    assert compiled.wait(timeout=60)
+    _run(compiled, 3)
+    entry = compiled.cache_info().entries[0]
+    assert entry.backend == "replay" and "Inductor failed (RuntimeError: no C++ compiler here)" \
+        in entry.tier, entry
+
+
+def test_slower_compiled_graph_keeps_replay(hot_soon, monkeypatch):
+    def slow(gm, inputs):
+        replay = backends.replay.build(gm, keep_autograd=True)
+
+        def run(tensors):
+            time.sleep(0.02)
+            return replay(tensors)
+        return run
+    _with_build(monkeypatch, slow)
+    compiled = _compiled()
+    _run(compiled, 5)
+    assert compiled.wait(timeout=60)
+    _run(compiled, tiering.TRIAL_CALLS + 3)
+    entry = compiled.cache_info().entries[0]
+    assert entry.backend == "replay" and "slower when measured" in entry.tier, entry
+
+
+def test_compiled_graph_with_another_answer_is_never_used(hot_soon, monkeypatch):
+    def wrong(gm, inputs):
+        replay = backends.replay.build(gm, keep_autograd=True)
+        return lambda tensors: [t + 1 for t in replay(tensors)]
+    _with_build(monkeypatch, wrong)
+    compiled = _compiled()
+    _run(compiled, 5)
+    assert compiled.wait(timeout=60)
+    _run(compiled, 6)                            # every answer still torch.func's
+    entry = compiled.cache_info().entries[0]
+    assert entry.backend == "replay" and "another answer" in entry.tier, entry
+
+
+def test_no_call_waits_for_the_compiler(hot_soon, monkeypatch):
+    release = threading.Event()
+
+    def blocked(gm, inputs):
+        release.wait(30)
+        raise RuntimeError("released")
+    _with_build(monkeypatch, blocked)
+    compiled = _compiled()
+    _run(compiled, 4)                            # hot: the compilation is pending now
+    assert "compiles in the background" in compiled.cache_info().entries[0].tier
+    start = time.perf_counter()
+    _run(compiled, 20)
+    assert time.perf_counter() - start < 25      # the calls did not wait for the 30 s
+    assert not compiled.wait(timeout=0.01)
+    release.set()
+    assert compiled.wait(timeout=30)
+
+
+def test_pinned_backends_never_tier(hot_soon):
+    compiled = functrans.compile(functrans.vmap(functrans.grad(loss), in_dims=(None, 0, 0)),
+                                 backend="replay")
+    _run(compiled, 8)
+    assert compiled.wait(timeout=0)
+    entry = compiled.cache_info().entries[0]
+    assert entry.backend == "replay" and entry.tier == ""
