@@ -62,7 +62,7 @@ steps=, delta=, accountant="rdp")`` is the ε of a run, ``noise_for_epsilon(targ
 (all from Opacus's accountants, an optional dependency: ``pip install functrans[dp]``).
 
 Imports: errors, stateless, batching.api, autodiff.grad, compiler.function, dp_accounting,
-poisson.
+poisson, dp_ghost.
 """
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ from ..batching.api import check_randomness, vmap
 from ..compiler.function import compile as _compile
 from ..errors import (TransformArgumentError, TransformKeyError, TransformTypeError,
                       transform_call)
+from .dp_ghost import ghost_clipped_sum
 from .stateless import functional_call
 
 __all__ = ["per_sample_grads", "clip_and_sum", "add_gaussian_noise", "dp_sgd_grads",
@@ -242,7 +243,7 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, 
                  generator: Optional[torch.Generator] = None, seed: Optional[int] = None,
                  reduction: str = "sum", distributed: bool = False, process_group=None,
                  noise_rank: int = 0, return_norms: bool = False,
-                 randomness: str = "different"):
+                 randomness: str = "different", method: str = "materialize"):
     """The privatized gradient of one DP-SGD step (see the module docstring for the recipe).
 
     Returns ``{name: noisy clipped gradient}`` for the trainable parameters (plus the
@@ -251,17 +252,23 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, 
     ``distributed=True`` (or a ``process_group``): all-reduce the clipped sums across the group;
     only rank ``noise_rank`` (a rank within the group) adds noise, from its ``generator``/``seed``.
     ``randomness``: see ``per_sample_grads`` (dropout masks per example).
+    ``method``: ``"materialize"`` (default): every example's gradient (``per_sample_grads``),
+    then ``clip_and_sum``; ``"ghost"``: each example's gradient NORM from the layers' inputs and
+    output gradients, then one more backward of the loss reweighted by the clipping factors
+    (``functrans.nn.dp_ghost``: memory about an ordinary backward's; the model must give each
+    example the output it gives it alone, e.g. no BatchNorm in training mode).  Both give the
+    same result up to rounding (the noise is the same).
     """
     api = transform_call("dp_sgd_grads", "model", "loss_fn", "batch", max_norm=max_norm,
                          noise_multiplier=noise_multiplier)
+    _check_method(method, api)
     _check_reduction(reduction, api)
     _check_noise_multiplier(noise_multiplier, api)
     _check_max_norm(max_norm, api)   # before the per-example gradients are computed
     gen = _generator(generator, seed, api)
     batch = _as_tuple(batch, api)
     n = _batch_size(batch, api)
-    per_sample = _per_sample_grads(model, loss_fn, batch, randomness, api)
-    sums, norms = _clip_and_sum(per_sample, max_norm, api)
+    sums, norms = _clipped_sum(model, loss_fn, batch, max_norm, randomness, method, api)
 
     distributed = distributed or process_group is not None
     adds_noise = True
@@ -276,6 +283,27 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, 
     if distributed:
         sums = _all_reduce_sum(sums, process_group)
     return _finish(sums, norms, n, reduction, return_norms, api)
+
+
+METHODS = ("materialize", "ghost")
+
+
+def _check_method(method, api: str) -> None:
+    if method not in METHODS:
+        raise TransformArgumentError(
+            f"{api}: method must be 'materialize' (every example's gradient, then clipping) or "
+            f"'ghost' (per-example gradient norms from the layers, then a reweighted "
+            f"backward); got method={method!r}.")
+
+
+def _clipped_sum(model, loss_fn, batch: tuple, max_norm, randomness, method, api):
+    """Steps 1-3: ``(sums, norms)`` by ``method``."""
+    if method == "materialize":
+        return _clip_and_sum(_per_sample_grads(model, loss_fn, batch, randomness, api),
+                             max_norm, api)
+    check_randomness(randomness, api)
+    return ghost_clipped_sum(_unwrap(model), loss_fn, batch,
+                             lambda norms: (max_norm / (norms + CLIP_EPS)).clamp(max=1.0), api)
 
 
 def _check_reduction(reduction, api: str) -> None:
