@@ -351,11 +351,14 @@ class CompiledPrivateStep:
                  max_norm: float, noise_multiplier: float, buckets: Buckets = None,
                  max_batch_size: Optional[int] = None, generator: Optional[torch.Generator] = None,
                  seed: Optional[int] = None, reduction: str = "sum",
-                 randomness: str = "different", backend: str = "replay"):
+                 randomness: str = "different", backend: str = "replay",
+                 method: str = "materialize"):
         api = transform_call("compiled_private_step", "model", "loss_fn", max_norm=max_norm,
                              noise_multiplier=noise_multiplier, buckets=buckets,
                              max_batch_size=max_batch_size)
         self._api = api
+        _check_method(method, api)
+        self.method = method
         _check_max_norm(max_norm, api)
         _check_noise_multiplier(noise_multiplier, api)
         _check_reduction(reduction, api)
@@ -451,6 +454,11 @@ class CompiledPrivateStep:
             return _clip_and_sum(
                 _per_sample_grads(self.model, self.loss_fn, batch, self.randomness, api),
                 self.max_norm, api)
+        if self.method == "ghost":   # eager (see compiled_private_step): the real rows only
+            sums, real_norms = _clipped_sum(self.model, self.loss_fn,
+                                            tuple(t[mask] for t in batch), self.max_norm,
+                                            self.randomness, "ghost", api)
+            return sums, real_norms.new_zeros(n).masked_scatter(mask, real_norms)
         params, rest = _trainable(_unwrap(self.model))
         if not params:
             _clip_and_sum({}, self.max_norm, api)   # raises: nothing to clip
@@ -466,6 +474,9 @@ class CompiledPrivateStep:
         n = _batch_size(batch, api)
         if n == 0:   # no examples: the eager path (zero sums, no graph to trace)
             sums, norms = self.masked_clipped_sum(batch, torch.zeros(0, dtype=torch.bool))
+        elif self.method == "ghost":   # eager, unpadded: nothing is traced
+            sums, norms = _clipped_sum(self.model, self.loss_fn, batch, self.max_norm,
+                                       self.randomness, "ghost", api)
         else:
             size = self.bucket_for(n)
             mask = torch.arange(size, device=batch[0].device) < n
@@ -508,8 +519,8 @@ def compiled_private_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor]
                           max_batch_size: Optional[int] = None,
                           generator: Optional[torch.Generator] = None,
                           seed: Optional[int] = None, reduction: str = "sum",
-                          randomness: str = "different",
-                          backend: str = "replay") -> CompiledPrivateStep:
+                          randomness: str = "different", backend: str = "replay",
+                          method: str = "materialize") -> CompiledPrivateStep:
     """A DP-SGD step for batches whose size changes every step (Poisson sampling), compiled
     with ``functrans.compile`` so that it never retraces per step.
 
@@ -541,11 +552,18 @@ def compiled_private_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor]
     Single process only (no ``process_group``).  ``step.masked_clipped_sum(batch, mask)`` runs
     the compiled part on a batch the caller padded; ``step.bucket_for(B)`` is the padded size;
     ``step.cache_info()`` the compiled part's counters.
+    ``method="ghost"`` (see ``dp_sgd_grads``) runs steps 1-3 EAGERLY, on the real rows only:
+    ghost clipping takes two backwards through module and tensor hooks, which ``functrans.compile``
+    does not trace, and an eager step needs no buckets (its cost does not depend on a trace per
+    size).  The result is ``dp_sgd_grads(..., method="ghost")``'s, the noise is drawn as
+    above, ``masked_clipped_sum`` gives the masked rows norm 0, and ``cache_info()`` stays at
+    zero calls.
     """
     return CompiledPrivateStep(model, loss_fn, max_norm=max_norm,
                                noise_multiplier=noise_multiplier, buckets=buckets,
                                max_batch_size=max_batch_size, generator=generator, seed=seed,
-                               reduction=reduction, randomness=randomness, backend=backend)
+                               reduction=reduction, randomness=randomness, backend=backend,
+                               method=method)
 
 
 def assign_grads(model: nn.Module, grads: Mapping[str, torch.Tensor], *,
