@@ -291,6 +291,10 @@ class _Recorder:
         self.probe_shapes: List[Tuple[nn.Module, list, list]] = []
         self.uses: Dict[int, set] = {}
         self.handles = []
+        # the hooked outputs' places in the graph, taken before any in-place op can move them:
+        # the first backward runs up to these (its tensor hooks fire there) and computes no
+        # parameter gradient
+        self.edges: List[torch.autograd.graph.GradientEdge] = []
         for module in model.modules():
             self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post, with_kwargs=True,
@@ -334,6 +338,7 @@ class _Recorder:
         for j, t in enumerate(out_leaves):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 self.handles.append(t.register_hook(self._grad_hook(call, j)))
+                self.edges.append(torch.autograd.graph.get_gradient_edge(t))
         return None
 
     def _grad_hook(self, call: _Call, j: int):
@@ -470,7 +475,9 @@ def _ghost(model, loss_fn, batch, clip_factors, api, named, b, dtype):
         rec.on_grad = on_grad
         # 3. the backward of the summed loss: the hooks fill sq / acc
         rec.phase = "backward"
-        _grads(losses.sum(), list(named.values()), retain_graph=True)
+        if rec.edges and losses.requires_grad:
+            torch.autograd.grad(losses.sum(), rec.edges, retain_graph=True, allow_unused=True)
+        rec.edges = []
         rec.phase = "off"
         for call in deferred:
             _, local, norm = call.plan
