@@ -5,7 +5,7 @@ clipping, side by side (issue 27).
     .venv/bin/python -m benchmarks.dp_memory                  # the MLP below, B=256
     .venv/bin/python -m benchmarks.dp_memory --batch 64 --markdown
 
-Workload: an MLP 512-1024-1024-1024-10 (ReLU; 3.1M parameters, float32), cross-entropy, a batch
+Workload: an MLP 512-1024-1024-1024-10 (ReLU; 2.63M parameters, float32), cross-entropy, a batch
 of ``--batch`` examples (256), one torch thread, CPU.  A step (what is measured):
 
 * ``backward``: ``zero_grad``, forward, the mean loss, ``backward()`` (no privacy: the floor);
@@ -26,8 +26,11 @@ is reset (``/proc/self/clear_refs`` 5); one step runs, and the peak above the mo
 high-water mark (``VmHWM`` in ``/proc/self/status``) minus the resident set before it.  So a
 method's returned gradients count (12.5 MB here), as do its activations and temporaries.
 (``tracemalloc`` does not see torch's CPU allocations and torch keeps no CPU allocator
-statistics; this reads what the kernel charges the process.)  Time: the median of
-``--repeats`` further steps (fewer when a step takes more than ``--budget`` seconds in all).
+statistics; this reads what the kernel charges the process.)  Time: every method in one
+more subprocess, each on its own copy of the model, after one warm-up step each: ``--repeats``
+rounds, each running every method once in a rotating order (so drift on a shared machine hits
+them alike; a method whose steps took ``--budget`` seconds in all sits the remaining rounds out:
+materialize), the median per method.
 
 Targets (issue 27): ghost's peak at most 3x the backward's + 64 MB, its time at most 3x.
 Opacus is optional (``pip install functrans[dp]``): without it, its row says so.
@@ -35,6 +38,7 @@ Opacus is optional (``pip install functrans[dp]``): without it, its row says so.
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import gc
 import json
@@ -52,6 +56,7 @@ from torch import nn
 METHODS = ("backward", "materialize", "ghost", "opacus ghost")
 WIDTHS = (512, 1024, 1024, 1024, 10)
 MAX_NORM, NOISE_MULTIPLIER = 1.0, 1.0
+OPACUS_MISSING = "opacus is not installed (pip install functrans[dp])"
 MEMORY_FACTOR, MEMORY_SLACK_MB, TIME_FACTOR = 3.0, 64.0, 3.0
 
 
@@ -105,12 +110,16 @@ def _hwm() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def measure_here(method: str, batch: int, repeats: int, budget: float) -> Dict[str, float]:
-    """One method in this process: ``{"peak_mb", "time_s", "runs"}``."""
+def _problem(batch: int):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = make_mlp()
-    x, y = torch.randn(batch, WIDTHS[0]), torch.randint(0, WIDTHS[-1], (batch,))
+    return model, torch.randn(batch, WIDTHS[0]), torch.randint(0, WIDTHS[-1], (batch,))
+
+
+def peak_here(method: str, batch: int) -> Dict[str, float]:
+    """The peak memory above the model of one ``method`` step, in this process."""
+    model, x, y = _problem(batch)
     step = _step(method, model, x, y)
     out = step()                                        # warm-up
     del out
@@ -123,37 +132,67 @@ def measure_here(method: str, batch: int, repeats: int, budget: float) -> Dict[s
     out = step()
     peak = _hwm() - before
     del out
-    times: List[float] = []
-    while len(times) < repeats and sum(times) < budget:
-        t = time.perf_counter()
-        out = step()
-        times.append(time.perf_counter() - t)
-        del out
-    return {"peak_mb": peak / 2 ** 20, "time_s": statistics.median(times), "runs": len(times)}
+    return {"peak_mb": peak / 2 ** 20}
 
 
-def measure(method: str, batch: int, repeats: int, budget: float) -> Dict[str, float]:
-    """One method in a fresh subprocess (see the module docstring)."""
-    if method == "opacus ghost":
-        try:
-            import opacus  # noqa: F401
-        except ImportError:
-            return {"error": "opacus is not installed (pip install functrans[dp])"}
+def times_here(methods: List[str], batch: int, repeats: int, budget: float
+               ) -> Dict[str, Dict[str, float]]:
+    """Every method's step, each on its own copy of one model, timed interleaved: ``repeats``
+    rounds in a rotating order (a method whose steps took ``budget`` seconds in all sits the
+    remaining rounds out); the median per method."""
+    model, x, y = _problem(batch)
+    steps = {m: _step(m, copy.deepcopy(model), x, y) for m in methods}
+    for step in steps.values():
+        step()                                          # warm-up
+    times: Dict[str, List[float]] = {m: [] for m in methods}
+    for r in range(repeats):
+        for m in methods[r % len(methods):] + methods[:r % len(methods)]:
+            if sum(times[m]) >= budget:
+                continue
+            t = time.perf_counter()
+            out = steps[m]()
+            times[m].append(time.perf_counter() - t)
+            del out
+    return {m: {"time_s": statistics.median(t), "runs": len(t)} for m, t in times.items()}
+
+
+def _child(args: List[str]) -> dict:
+    """``python -m benchmarks.dp_memory --child ...`` in a fresh process: its JSON answer."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.dp_memory", "--child", method,
-                           "--batch", str(batch), "--repeats", str(repeats),
-                           "--budget", str(budget)], cwd=root, env=env, capture_output=True,
-                          text=True)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.dp_memory", "--child", *args],
+                          cwd=root, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _opacus_missing() -> bool:
+    try:
+        import opacus  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+def measure(methods: List[str], batch: int, repeats: int, budget: float
+            ) -> Dict[str, Dict[str, float]]:
+    """Each method's peak (one fresh subprocess each), then the times (one subprocess)."""
+    results = {m: ({"error": OPACUS_MISSING} if m == "opacus ghost" and _opacus_missing()
+                   else _child(["peak", m, "--batch", str(batch)])) for m in methods}
+    timed = [m for m in methods if "error" not in results[m]]
+    if timed:
+        times = _child(["times", ",".join(timed), "--batch", str(batch), "--repeats",
+                        str(repeats), "--budget", str(budget)])
+        for m in timed:
+            results[m].update(times if "error" in times else times[m])
+    return results
+
+
 def format_table(results: Dict[str, Dict[str, float]], batch: int, markdown: bool) -> str:
     base = results.get("backward", {})
-    head = ["step", "peak above the model (MB)", "time (s)", "peak / backward",
+    head = ["step", "peak above the model (MB)", "time (s) (steps)", "peak / backward",
             "time / backward"]
     rows = []
     for method in METHODS:
@@ -163,9 +202,11 @@ def format_table(results: Dict[str, Dict[str, float]], batch: int, markdown: boo
             continue
         ratio_m = f"{r['peak_mb'] / base['peak_mb']:.1f}x" if base.get("peak_mb") else "-"
         ratio_t = f"{r['time_s'] / base['time_s']:.1f}x" if base.get("time_s") else "-"
-        rows.append([method, f"{r['peak_mb']:,.0f}", f"{r['time_s']:.3f}", ratio_m, ratio_t])
-    title = (f"MLP {'-'.join(map(str, WIDTHS))} (3.1M parameters, float32), B={batch}, "
-             "one CPU thread")
+        rows.append([method, f"{r['peak_mb']:,.0f}", f"{r['time_s']:.3f} ({r['runs']})",
+                     ratio_m, ratio_t])
+    n = sum(p.numel() for p in make_mlp().parameters())
+    title = (f"MLP {'-'.join(map(str, WIDTHS))} ({n / 1e6:.2f}M parameters, float32), "
+             f"B={batch}, one CPU thread")
     if markdown:
         lines = [f"| {' | '.join(head)} |", "|" + "---|" * len(head)]
         lines += [f"| {' | '.join(row)} |" for row in rows]
@@ -193,14 +234,16 @@ def main(argv=None) -> int:
                         help="seconds of timed steps per method at most (after the first)")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--markdown", action="store_true")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(measure_here(args.child, args.batch, args.repeats, args.budget)))
+        kind, what = args.child
+        print(json.dumps(peak_here(what, args.batch) if kind == "peak" else
+                         times_here(what.split(","), args.batch, args.repeats, args.budget)))
         return 0
-    chosen = args.methods.split(",")
-    results = {m: (measure(m, args.batch, args.repeats, args.budget) if m in chosen
-                   else {"error": "not run"}) for m in METHODS}
+    chosen = [m for m in METHODS if m in args.methods.split(",")]
+    results = measure(chosen, args.batch, args.repeats, args.budget)
+    results = {m: results.get(m, {"error": "not run"}) for m in METHODS}
     print(format_table(results, args.batch, args.markdown))
     met = targets(results)
     for what, ok in met.items():

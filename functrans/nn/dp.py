@@ -37,6 +37,16 @@ the DDP wrapper; DDP's averaging all-reduce then yields the global noisy sum).
 The model must be functional per example: no BatchNorm in training mode (its statistics would
 mix examples, which DP-SGD forbids anyway); buffers are passed through unbatched.
 
+Ghost clipping (``method="ghost"``; ``"materialize"``, steps 1-3 above, is the default): each
+example's gradient NORM comes from the layers' inputs and output gradients, captured by module
+and tensor hooks during one forward and backward of the batch (``functrans.nn.dp_ghost``, which
+documents the layers it covers and its fallbacks), and the clipped sum from one more backward
+of ``sum_i factor_i * loss_i``: peak memory about an ordinary backward's, where step 1 holds
+every example's gradient (``python -m benchmarks.dp_memory`` measures both).  Steps 4-5 and the
+distributed path are the same code for both methods (the same noise from the same seed).  The
+model must give each example, in the batch, the output it gives it alone (no BatchNorm in
+training mode).
+
 An empty batch (``B = 0``, which Poisson sampling draws now and then) is a step like any other:
 the clipped sum is zero, the noise is added as usual; ``reduction="mean"`` raises (it would
 divide by zero; use ``"sum"`` and divide by the expected batch size).
