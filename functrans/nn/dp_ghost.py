@@ -335,8 +335,10 @@ class _Recorder:
         call = _Call(module, [t.detach() if isinstance(t, torch.Tensor) else t
                               for t in leaves], spec, out_leaves)
         self.calls[index] = call
+        seen = set()   # a tensor returned twice gets one hook: its gradient holds both uses
         for j, t in enumerate(out_leaves):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+            if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in seen:
+                seen.add(id(t))
                 self.handles.append(t.register_hook(self._grad_hook(call, j)))
                 self.edges.append(torch.autograd.graph.get_gradient_edge(t))
         return None

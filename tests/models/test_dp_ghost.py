@@ -73,6 +73,31 @@ class Scaled(nn.Module):
         return self.head(torch.tanh(self.lin(x) * self.scale))
 
 
+class Dup(nn.Module):
+    """A custom module that returns one tensor twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        y = x * self.w
+        return y, y
+
+
+class ReturnsTwice(nn.Module):
+    """Both of Dup's outputs used downstream."""
+
+    def __init__(self):
+        super().__init__()
+        self.dup = Dup()
+        self.head = nn.Linear(6, N_CLASSES)
+
+    def forward(self, x):
+        a, b = self.dup(x)
+        return self.head(torch.tanh(a) + 2 * b)
+
+
 class LSTMNet(nn.Module):
     def __init__(self, batch_first: bool):
         super().__init__()
@@ -163,6 +188,7 @@ MODELS = {
                                    3 * 9), _randn(2, 5, 5)),
     "module-called-twice": (Twice, _randn(6)),
     "custom-module": (Scaled, _randn(6)),
+    "custom-module-returns-twice": (ReturnsTwice, _randn(6)),
     "lstm-batch-first": (lambda: LSTMNet(True), _randn(5, 4)),
     "lstm-seq-first": (lambda: LSTMNet(False), _randn(5, 4)),
     "attention-seq-first": (SeqFirstAttention, _randn(5, 4)),
@@ -349,3 +375,14 @@ def test_errors():
             return self.lin(x).reshape(-1)
     with pytest.raises(TransformArgumentError, match="batch dim"):
         dp_sgd_grads(Pooled().double(), lambda o, y: o.sum(), batch, method="ghost", **kw)
+
+
+def test_memory_benchmark_runs():
+    """benchmarks/dp_memory.py's pieces on a batch of 4 (the numbers are not asserted)."""
+    from benchmarks import dp_memory
+    times = dp_memory.times_here(["backward", "ghost"], batch=4, repeats=2, budget=5.0)
+    assert {m: t["runs"] for m, t in times.items()} == {"backward": 2, "ghost": 2}
+    results = {m: {"peak_mb": 1.0, **times.get(m, {"time_s": 1.0, "runs": 1})}
+               for m in dp_memory.METHODS}
+    assert "ghost" in dp_memory.format_table(results, 4, markdown=True)
+    assert set(dp_memory.targets(results).values()) <= {True, False}
