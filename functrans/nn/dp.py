@@ -308,12 +308,21 @@ def _check_method(method, api: str) -> None:
             f"backward); got method={method!r}.")
 
 
+def _check_ghost_randomness(randomness, method: str, api: str) -> None:
+    check_randomness(randomness, api)
+    if method == "ghost" and randomness != "different":
+        raise TransformArgumentError(
+            f"{api}: method='ghost' runs the batch through the model at once, so each example "
+            f"draws its own random values (dropout), as randomness='different' does; got "
+            f"randomness={randomness!r}.  Use method='materialize' for {randomness!r}.")
+
+
 def _clipped_sum(model, loss_fn, batch: tuple, max_norm, randomness, method, api):
     """Steps 1-3: ``(sums, norms)`` by ``method``."""
     if method == "materialize":
         return _clip_and_sum(_per_sample_grads(model, loss_fn, batch, randomness, api),
                              max_norm, api)
-    check_randomness(randomness, api)
+    _check_ghost_randomness(randomness, method, api)
     return ghost_clipped_sum(_unwrap(model), loss_fn, batch,
                              lambda norms: (max_norm / (norms + CLIP_EPS)).clamp(max=1.0), api)
 
@@ -374,7 +383,7 @@ class CompiledPrivateStep:
         _check_max_norm(max_norm, api)
         _check_noise_multiplier(noise_multiplier, api)
         _check_reduction(reduction, api)
-        check_randomness(randomness, api)
+        _check_ghost_randomness(randomness, method, api)
         self.model, self.loss_fn = model, loss_fn
         self.max_norm, self.noise_multiplier = max_norm, noise_multiplier
         self.reduction, self.randomness = reduction, randomness
@@ -399,7 +408,8 @@ class CompiledPrivateStep:
             self._sizes = tuple(sorted({_positive_int(b, "every bucket size", api)
                                         for b in buckets}))
         count = self._bucket_count()
-        self._compiled = _compile(self._masked_clipped_sum, backend=backend,
+        part = self._masked_ghost_sum if method == "ghost" else self._masked_clipped_sum
+        self._compiled = _compile(part, backend=backend,
                                   cache_size=count if count is not None else 32)
 
     # ---------------------------------------------------------------- buckets
@@ -448,6 +458,17 @@ class CompiledPrivateStep:
             masked[name] = torch.where(keep, g, g.new_zeros(()))
         return _clip_and_sum(masked, self.max_norm, self._api)
 
+    def _masked_ghost_sum(self, model: nn.Module, mask: torch.Tensor, batch: tuple):
+        """Steps 1-3 by ghost clipping on a padded batch: the rows where ``mask`` is False get
+        the clipping factor 0 in the reweighted backward and the norm 0.  ``model`` (the plain
+        module) is an argument so that ``functrans.compile`` re-reads its parameters and
+        buffers on every call."""
+        def factors(norms):
+            return torch.where(mask, (self.max_norm / (norms + CLIP_EPS)).clamp(max=1.0),
+                               norms.new_zeros(()))
+        sums, norms = ghost_clipped_sum(model, self.loss_fn, batch, factors, self._api)
+        return sums, torch.where(mask, norms, norms.new_zeros(()))
+
     def masked_clipped_sum(self, batch, mask: torch.Tensor) -> Tuple[Grads, torch.Tensor]:
         """Steps 1-3, compiled, on a batch that is already padded: ``(sums, norms)`` as
         ``clip_and_sum`` returns them, where the rows with ``mask[i] == False`` contribute
@@ -466,11 +487,8 @@ class CompiledPrivateStep:
             return _clip_and_sum(
                 _per_sample_grads(self.model, self.loss_fn, batch, self.randomness, api),
                 self.max_norm, api)
-        if self.method == "ghost":   # eager (see compiled_private_step): the real rows only
-            sums, real_norms = _clipped_sum(self.model, self.loss_fn,
-                                            tuple(t[mask] for t in batch), self.max_norm,
-                                            self.randomness, "ghost", api)
-            return sums, real_norms.new_zeros(n).masked_scatter(mask, real_norms)
+        if self.method == "ghost":
+            return self._compiled(_unwrap(self.model), mask, batch)
         params, rest = _trainable(_unwrap(self.model))
         if not params:
             _clip_and_sum({}, self.max_norm, api)   # raises: nothing to clip
@@ -486,9 +504,6 @@ class CompiledPrivateStep:
         n = _batch_size(batch, api)
         if n == 0:   # no examples: the eager path (zero sums, no graph to trace)
             sums, norms = self.masked_clipped_sum(batch, torch.zeros(0, dtype=torch.bool))
-        elif self.method == "ghost":   # eager, unpadded: nothing is traced
-            sums, norms = _clipped_sum(self.model, self.loss_fn, batch, self.max_norm,
-                                       self.randomness, "ghost", api)
         else:
             size = self.bucket_for(n)
             mask = torch.arange(size, device=batch[0].device) < n
@@ -564,12 +579,12 @@ def compiled_private_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor]
     Single process only (no ``process_group``).  ``step.masked_clipped_sum(batch, mask)`` runs
     the compiled part on a batch the caller padded; ``step.bucket_for(B)`` is the padded size;
     ``step.cache_info()`` the compiled part's counters.
-    ``method="ghost"`` (see ``dp_sgd_grads``) runs steps 1-3 EAGERLY, on the real rows only:
-    ghost clipping takes two backwards through module and tensor hooks, which ``functrans.compile``
-    does not trace, and an eager step needs no buckets (its cost does not depend on a trace per
-    size).  The result is ``dp_sgd_grads(..., method="ghost")``'s, the noise is drawn as
-    above, ``masked_clipped_sum`` gives the masked rows norm 0, and ``cache_info()`` stays at
-    zero calls.
+    ``method="ghost"`` (see ``dp_sgd_grads``): steps 1-3 by ghost clipping, traced per bucket
+    the same way (the module and tensor hooks, both backwards and the per-module ``vmap(grad)``
+    fallbacks run during the trace and their ops are replayed); the parameters are read from
+    the model on every call.  A padded row gets the clipping factor 0 in the reweighted
+    backward and the norm 0: it adds exact zeros as long as the first example (which it
+    copies) has a finite gradient.
     """
     return CompiledPrivateStep(model, loss_fn, max_norm=max_norm,
                                noise_multiplier=noise_multiplier, buckets=buckets,

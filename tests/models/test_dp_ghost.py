@@ -330,22 +330,30 @@ def test_loss_fn_gets_batches_of_one_and_extra_batch_tensors():
     assert _rel(ghost, dp_sgd_grads(model, loss_fn, (x, y, w), **kw)) <= 1e-12
 
 
-def test_compiled_step_runs_ghost_eagerly():
-    model, batch = _problem("mlp", torch.float64, b=5)
-    step = compiled_private_step(model, F.cross_entropy, max_norm=0.05, noise_multiplier=0.7,
-                                 seed=4, max_batch_size=8, method="ghost")
-    got, norms = step(batch, return_norms=True)
-    want, want_norms = dp_sgd_grads(model, F.cross_entropy, batch, max_norm=0.05,
-                                    noise_multiplier=0.7, seed=4, return_norms=True)
-    assert _rel(got, want) <= 1e-12
-    torch.testing.assert_close(norms, want_norms, rtol=1e-12, atol=0)
-    mask = torch.tensor([True, False, True, True, False])
-    sums, masked = step.masked_clipped_sum(batch, mask)
-    ref, ref_norms = dp_sgd_grads(model, F.cross_entropy, tuple(t[mask] for t in batch),
+def test_compiled_step_traces_ghost_per_bucket():
+    """compiled_private_step(method="ghost"): one trace per bucket, replayed; padded rows add
+    nothing; the parameters are re-read (an optimizer's in-place update is seen)."""
+    model, (x, y) = _problem("custom-module", torch.float64, b=10)
+    step = compiled_private_step(model, F.cross_entropy, max_norm=0.05, noise_multiplier=0.0,
+                                 max_batch_size=16, method="ghost")
+    for n in (9, 10, 9):   # one bucket (10): 9 examples are padded with one masked row
+        batch = (x[:n], y[:n])
+        got, norms = step(batch, return_norms=True)
+        want, want_norms = dp_sgd_grads(model, F.cross_entropy, batch, max_norm=0.05,
+                                        noise_multiplier=0.0, return_norms=True)
+        assert _rel(got, want) <= 1e-12
+        torch.testing.assert_close(norms, want_norms, rtol=1e-12, atol=0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)
+    mask = torch.rand(10, generator=torch.Generator().manual_seed(0)) < 0.5
+    sums, masked = step.masked_clipped_sum((x, y), mask)   # the same bucket: replayed
+    ref, ref_norms = dp_sgd_grads(model, F.cross_entropy, (x[mask], y[mask]),
                                   max_norm=0.05, noise_multiplier=0.0, return_norms=True)
     assert _rel(sums, ref) <= 1e-12 and (masked[~mask] == 0).all()
     torch.testing.assert_close(masked[mask], ref_norms, rtol=1e-12, atol=0)
-    assert step.cache_info().misses == 0
+    info = step.cache_info()
+    assert (info.misses, info.hits, info.eager_calls) == (1, 3, 0)
 
 
 def test_errors():
@@ -355,6 +363,8 @@ def test_errors():
         dp_sgd_grads(model, F.cross_entropy, batch, method="exact", **kw)
     with pytest.raises(TransformArgumentError, match="got method='Ghost'"):
         compiled_private_step(model, F.cross_entropy, method="Ghost", **kw)
+    with pytest.raises(TransformArgumentError, match="randomness='same'"):
+        dp_sgd_grads(model, F.cross_entropy, batch, method="ghost", randomness="same", **kw)
     bn = nn.Sequential(nn.Linear(7, 4), nn.BatchNorm1d(4)).double()
     with pytest.raises(TransformArgumentError, match=r"1 \(BatchNorm1d\) is in training mode"):
         dp_sgd_grads(bn, F.cross_entropy, batch, method="ghost", **kw)
