@@ -285,7 +285,7 @@ class _Recorder:
                 if p is not None and id(p) in params:
                     self.owners.setdefault(id(p), []).append((module, local))
                     self.owning.add(id(module))
-        self.phase = "off"   # "probe" | "batch" | "off"
+        self.phase = "off"   # "probe" | "batch" (forwards) | "backward" (the first) | "off"
         self.stack: List[Optional[int]] = []   # running calls (index into calls, or None)
         self.calls: List[_Call] = []
         self.probe_shapes: List[Tuple[nn.Module, list, list]] = []
@@ -404,14 +404,14 @@ def ghost_clipped_sum(model: nn.Module, loss_fn: Callable[..., torch.Tensor], ba
     if b == 0:
         return ({k: torch.zeros_like(p) for k, p in named.items()},
                 params[0].new_zeros(0))
-    if b == 1:   # the batch's gradient is the example's
-        loss = loss_fn(model(batch[0]), *batch[1:])
-        grads = _grads(loss, params)
-        norm = torch.stack([g.square().sum() for g in grads]).sum().sqrt().reshape(1)
-        c = clip_factors(norm).detach()
-        return {k: c[0].to(g.dtype) * g for k, g in zip(named, grads)}, norm
     with torch.enable_grad():
-        return _ghost(model, loss_fn, batch, clip_factors, api, named, b, dtype)
+        if b > 1:
+            return _ghost(model, loss_fn, batch, clip_factors, api, named, b, dtype)
+        # one example: the batch's gradient is the example's
+        grads = _grads(loss_fn(model(batch[0]), *batch[1:]), params)
+    norm = torch.stack([g.square().sum() for g in grads]).sum().sqrt().reshape(1)
+    c = clip_factors(norm).detach()
+    return {k: c[0].to(g.dtype) * g for k, g in zip(named, grads)}, norm
 
 
 def _grads(loss: torch.Tensor, params, retain_graph: bool = False) -> List[torch.Tensor]:
