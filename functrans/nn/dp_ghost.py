@@ -36,10 +36,13 @@ all-reduce exactly as for ``method="materialize"``.  One step:
      peak memory one module's per-example gradients, not the model's.
 
    A parameter used by more than one module call (a module called twice: summed per call
-   before the norm; a tied weight or a parameter read in another module's forward, such as an
-   LM head ``h @ emb.weight.T``: the whole model's per-example gradient w.r.t. that parameter
-   alone, ``vmap(grad)`` as ``dp.per_sample_grads`` computes it) falls back to per-example
-   gradients for that parameter only.
+   before the norm) falls back to per-example gradients for that parameter only; so, with the
+   whole model's per-example gradient w.r.t. that parameter alone (``vmap(grad)`` as
+   ``dp.per_sample_grads`` computes it), does a tied weight or a parameter read in another
+   module's forward (an LM head ``h @ emb.weight.T``), a parameter of a module whose output is
+   the same for every example (a positional embedding of ``arange(T)``: its output gradient
+   is already summed over the batch), and a parameter that reaches the loss although no op
+   was seen to read it.
 4. The clipping factors ``c_i`` from the norms (``dp.py``'s formula, passed in), and one more
    backward, of ``sum_i c_i loss_i`` (``c`` detached): the clipped sum ``sum_i c_i g_i``.
 
@@ -458,7 +461,7 @@ def _ghost(model, loss_fn, batch, clip_factors, api, named, b, dtype):
 
         # 2. which parameters the hooks can cover: used in calls of their one owner only
         sq = torch.zeros(b, dtype=dtype, device=x.device)
-        global_params = _plan(rec, by_id, model, api)
+        global_params = _plan(rec, by_id, model, losses)
         acc: Dict[int, torch.Tensor] = {}
         deferred: List[_Call] = []
 
@@ -516,24 +519,32 @@ def _add(result: Grads, local: Dict[str, nn.Parameter], norm: bool, sq, acc, b: 
             acc[id(p)] = acc[id(p)] + r if id(p) in acc else r
 
 
-def _plan(rec: _Recorder, by_id, model, api) -> Dict[str, nn.Parameter]:
-    """Set each call's plan; return the parameters left to the whole-model fallback."""
+def _plan(rec: _Recorder, by_id, model, losses) -> Dict[str, nn.Parameter]:
+    """Set each call's plan; return the parameters left to the whole-model fallback: those
+    used outside their one owner's calls (tied, or read by another module), those of a module
+    with a call whose outputs have no batch dim (its gradient cannot be split by example), and
+    those no op was seen to read that still reach the loss."""
     calls_of: Dict[int, List[int]] = {}
     for i, call in enumerate(rec.calls):
         calls_of.setdefault(id(call.module), []).append(i)
-    local_ids = set()
-    fallback = {}
+    unbatched = {id(c.module) for c in rec.calls if all(d is None for d in c.out_dims)}
     names = {id(p): n for n, p in model.named_parameters()}
+    local_ids, fallback, unseen = set(), {}, []
     for pid, p in by_id.items():
         owners = rec.owners.get(pid, [])
-        uses = rec.uses.get(pid, set())
-        if not uses:
-            continue   # unused in the forward: a zero gradient for every example
-        if len(owners) == 1 and uses <= set(calls_of.get(id(owners[0][0]), ())):
+        uses = rec.uses.get(pid)
+        if uses is None:
+            unseen.append(p)
+        elif len(owners) == 1 and id(owners[0][0]) not in unbatched and \
+                uses <= set(calls_of.get(id(owners[0][0]), ())):
             local_ids.add(pid)
         else:
             fallback[names[pid]] = p
-    for i, call in enumerate(rec.calls):
+    if unseen and losses.requires_grad:   # unused (a zero gradient), or read unseen
+        reached = torch.autograd.grad(losses.sum(), unseen, retain_graph=True,
+                                      allow_unused=True)
+        fallback.update({names[id(p)]: p for p, g in zip(unseen, reached) if g is not None})
+    for call in rec.calls:
         local = {n: p for n, p in call.module._parameters.items()
                  if p is not None and id(p) in local_ids}
         if not local:
@@ -541,13 +552,6 @@ def _plan(rec: _Recorder, by_id, model, api) -> Dict[str, nn.Parameter]:
         kernel = _kernel(call.module)
         if kernel is not None and (len(call.out_leaves) != 1 or call.in_dims[:1] == [None]):
             kernel = None
-        batched_out = any(d is not None for d in call.out_dims)
-        if not batched_out:
-            raise TransformArgumentError(
-                f"{api}: {_module_name(model, call.module)} has trainable parameters and an "
-                "output with no batch dim (the same for every example, e.g. a positional "
-                "embedding of arange(T)): its gradient cannot be split by example from the "
-                "batch's backward.  Use method='materialize'.")
         call.plan = (kernel, local, len(calls_of[id(call.module)]) == 1)
     return fallback
 

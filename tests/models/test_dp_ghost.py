@@ -9,10 +9,11 @@ float32 and 1e-12 in float64.  ``max_norm`` is the median per-example norm, so t
 examples are clipped and some are not.  Models: every layer kind with a factorised kernel
 (Linear with and without positions per example, Conv1d/2d/3d with groups, dilation, stride,
 string padding and padding modes, Embedding with padding_idx, LayerNorm, GroupNorm, RMSNorm),
-the fallbacks (nn.LSTM batch-first and seq-first, BatchNorm in eval mode, a custom module, a
-module called twice, Opacus's DPLSTM, MultiheadAttention whose out_proj weight is read by its
-parent, tied weights), the models of test_dpsgd.py and test_opacus_equivalence.py, frozen
-parameters, zero gradients, B = 0 and B = 1, the compiled step.  Two processes (the clipped
+the fallbacks (nn.LSTM batch-first and seq-first, BatchNorm in eval mode, a custom module, one
+returning a tensor twice, a module called twice, Opacus's DPLSTM, MultiheadAttention whose
+out_proj weight is read by its parent, tied weights, a positional embedding of arange(T), an
+unused layer), the models of test_dpsgd.py and test_opacus_equivalence.py, frozen parameters,
+zero gradients, B = 0 and B = 1, the compiled step, the errors.  Two processes (the clipped
 sums all-reduced; DDP with ``surrogate_loss``) with ``method="ghost"``: the ``*_ghost`` modes of
 tests/models/dp_worker.py, run by test_dpsgd.py's ``test_two_processes_equal_one_process``.
 """
@@ -147,6 +148,21 @@ class TiedLM(nn.Module):
         return self.head(h) if self.how == "head" else h @ self.emb.weight.T
 
 
+class Positional(nn.Module):
+    """A positional embedding of arange(T): its output is the same for every example."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(N_CLASSES, 6)
+        self.pos = nn.Embedding(4, 6)
+        self.unused = nn.Linear(6, 6)   # never called: a zero gradient for every example
+        self.head = nn.Linear(6, N_CLASSES)
+
+    def forward(self, x):   # x: [B, 4] tokens
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+        return self.head(torch.tanh(h).mean(1))
+
+
 def _tokens(vocab, t):
     return lambda b, g: torch.randint(0, vocab, (b, t), generator=g)
 
@@ -194,6 +210,7 @@ MODELS = {
     "attention-seq-first": (SeqFirstAttention, _randn(5, 4)),
     "tied-head": (lambda: TiedLM("head"), _tokens(N_CLASSES, 4)),
     "tied-read-in-parent": (lambda: TiedLM("read"), _tokens(N_CLASSES, 4)),
+    "positional-and-unused": (Positional, _tokens(N_CLASSES, 4)),
 }
 
 
