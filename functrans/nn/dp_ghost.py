@@ -93,17 +93,32 @@ def _sq(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1).square().sum(1)
 
 
+# A squared norm's temporaries (Gram matrices, one layer's per-example gradients) are made for
+# as many examples at a time as keep them under this many elements (64 MB in float32).
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunked(b: int, per_example: int, fn: Callable[[slice], torch.Tensor]) -> torch.Tensor:
+    """``fn`` (per-example squared norms of a slice of the examples) over chunks of at most
+    ``_CHUNK_ELEMENTS // per_example`` examples, concatenated: ``[B]``."""
+    step = max(1, _CHUNK_ELEMENTS // max(per_example, 1))
+    if step >= b:
+        return fn(slice(None))
+    return torch.cat([fn(slice(i, i + step)) for i in range(0, b, step)])
+
+
 def _weight_sq_or_grad(a: torch.Tensor, g: torch.Tensor, norm: bool):
     """``a [B, T, K]``, ``g [B, T, O]``: ``||g^T a||^2`` per example (Gram matrices when
     ``T^2 < O*K``) or the per-example gradient ``g^T a`` ``[B, O, K]``."""
-    t, k, o = a.shape[1], a.shape[2], g.shape[2]
+    b, t, k, o = a.shape[0], a.shape[1], a.shape[2], g.shape[2]
     if not norm:
         return g.mT @ a
     if t == 1:
         return a.square().sum((1, 2)) * g.square().sum((1, 2))
     if t * t < k * o:
-        return ((a @ a.mT) * (g @ g.mT)).sum((1, 2))
-    return (g.mT @ a).square().sum((1, 2))
+        return _chunked(b, 2 * t * t, lambda s: ((a[s] @ a[s].mT) * (g[s] @ g[s].mT))
+                        .sum((1, 2)))
+    return _chunked(b, o * k, lambda s: (g[s].mT @ a[s]).square().sum((1, 2)))
 
 
 def _linear(module: nn.Linear, a, g, names, norm):
@@ -145,9 +160,11 @@ def _conv(module, a, g, names, norm):
             if not norm:
                 out["weight"] = gg.mT @ ag                                      # [B, G, Og, Cg*K]
             elif length * length < width:
-                out["weight"] = ((ag @ ag.mT) * (gg @ gg.mT)).sum((1, 2, 3))
+                out["weight"] = _chunked(b, 2 * groups * length * length, lambda s: (
+                    (ag[s] @ ag[s].mT) * (gg[s] @ gg[s].mT)).sum((1, 2, 3)))
             else:
-                out["weight"] = (gg.mT @ ag).square().sum((1, 2, 3))
+                out["weight"] = _chunked(b, groups * width, lambda s: (
+                    gg[s].mT @ ag[s]).square().sum((1, 2, 3)))
     if "bias" in names:
         out["bias"] = _sq(go.sum(1)) if norm else go.sum(1)
     return out
@@ -161,13 +178,18 @@ def _embedding(module: nn.Embedding, idx, g, names, norm):
     if "weight" not in names:
         return {}
     t, vocab = idx.shape[1], module.num_embeddings
-    if norm and t * t < vocab * dim:
-        same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(g.dtype)
-        return {"weight": (same * (g @ g.mT)).sum((1, 2))}
-    rows = (idx + vocab * torch.arange(b, device=idx.device).unsqueeze(1)).reshape(-1)
-    full = g.new_zeros(b * vocab, dim).index_add_(0, rows, g.reshape(-1, dim))
-    full = full.view(b, vocab, dim)
-    return {"weight": _sq(full) if norm else full}
+
+    def full(i: torch.Tensor, gi: torch.Tensor) -> torch.Tensor:   # [b, vocab, dim]
+        rows = (i + vocab * torch.arange(i.shape[0], device=i.device).unsqueeze(1)).reshape(-1)
+        out = gi.new_zeros(i.shape[0] * vocab, dim).index_add_(0, rows, gi.reshape(-1, dim))
+        return out.view(i.shape[0], vocab, dim)
+    if not norm:
+        return {"weight": full(idx, g)}
+    if t * t < vocab * dim:
+        return {"weight": _chunked(b, 2 * t * t, lambda s: (
+            (idx[s].unsqueeze(2) == idx[s].unsqueeze(1)).to(g.dtype) * (g[s] @ g[s].mT))
+            .sum((1, 2)))}
+    return {"weight": _chunked(b, vocab * dim, lambda s: _sq(full(idx[s], g[s])))}
 
 
 def _normalized(module, x: torch.Tensor) -> torch.Tensor:

@@ -413,3 +413,14 @@ def test_memory_benchmark_runs():
                for m in dp_memory.METHODS}
     assert "ghost" in dp_memory.format_table(results, 4, markdown=True)
     assert set(dp_memory.targets(results).values()) <= {True, False}
+
+
+@pytest.mark.parametrize("name", ["linear-positions-gram", "linear-positions-materialized",
+                                  "conv2d-groups-reflect-same-dilated", "conv2d-strided-gram",
+                                  "embedding-padding-gram", "embedding-materialized"])
+def test_norms_in_chunks_of_examples(name, monkeypatch):
+    """The Gram matrices / per-layer gradients of a norm are made a few examples at a time
+    (at most _CHUNK_ELEMENTS elements); here one example at a time: the same result."""
+    from functrans.nn import dp_ghost
+    monkeypatch.setattr(dp_ghost, "_CHUNK_ELEMENTS", 7)
+    test_ghost_equals_materialize(name, torch.float64)
