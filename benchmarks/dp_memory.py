@@ -41,6 +41,7 @@ import argparse
 import copy
 import ctypes
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -169,11 +170,7 @@ def _child(args: List[str]) -> dict:
 
 
 def _opacus_missing() -> bool:
-    try:
-        import opacus  # noqa: F401
-    except ImportError:
-        return True
-    return False
+    return importlib.util.find_spec("opacus") is None
 
 
 def measure(methods: List[str], batch: int, repeats: int, budget: float
