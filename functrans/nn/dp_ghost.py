@@ -57,6 +57,7 @@ Imports: errors, _pytree, stateless, batching.api, autodiff.grad.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -131,12 +132,20 @@ def _linear(module: nn.Linear, a, g, names, norm):
     return out
 
 
-def _unfold(x: torch.Tensor, module) -> torch.Tensor:
-    """im2col of a convolution's input ``[B, C, *S]``: ``[B, L, C * prod(kernel)]`` (``L``
-    output positions; columns ordered as the weight's ``[C, *kernel]``)."""
-    n = x.dim() - 2
+def _padded(x: torch.Tensor, module) -> torch.Tensor:
+    """A convolution's input padded as its forward pads it (any ``padding_mode``, string
+    padding included): what the kernel then slides over with no padding."""
+    pads = module._reversed_padding_repeated_twice
+    if not any(pads):
+        return x
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+    return F.pad(x, pads, mode=mode)
+
+
+def _unfold(x: torch.Tensor, module) -> torch.Tensor:
+    """im2col of a convolution's (padded) input ``[B, C, *S]``: ``[B, L, C * prod(kernel)]``
+    (``L`` output positions; columns ordered as the weight's ``[C, *kernel]``)."""
+    n = x.dim() - 2
     k, s, d = module.kernel_size, module.stride, module.dilation
     for j in range(n):
         x = x.unfold(2 + j, d[j] * (k[j] - 1) + 1, s[j])
@@ -145,28 +154,45 @@ def _unfold(x: torch.Tensor, module) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, x.shape[1 + n:].numel())
 
 
+def _conv_weight_grads(module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Per-example weight gradients ``[b, *weight.shape]`` from the padded input ``x`` and the
+    output gradient ``g``: convolution's weight backward with the examples folded into the
+    groups (no im2col: the memory is the result's)."""
+    b, n, weight = x.shape[0], x.dim() - 2, module.weight
+    shape = (b * weight.shape[0],) + tuple(weight.shape[1:])
+    _, gw, _ = torch.ops.aten.convolution_backward(
+        g.reshape(1, -1, *g.shape[2:]), x.reshape(1, -1, *x.shape[2:]),
+        g.new_empty(1).expand(shape), None, list(module.stride), [0] * n,
+        list(module.dilation), False, [0] * n, b * module.groups, [False, True, False])
+    return gw.view((b,) + tuple(weight.shape))
+
+
 def _conv(module, a, g, names, norm):
+    """Conv1d/2d/3d: the weight's squared norms from Gram matrices of im2col columns when the
+    output positions ``L`` are few (``G L^2 < O Cg K``), else from per-example gradients made by
+    the weight backward, a chunk of examples at a time; the bias from ``g``'s sums."""
     b, groups, o = a.shape[0], module.groups, module.out_channels
-    cols = _unfold(a, module)                                   # [B, L, C*K]
-    go = g.reshape(b, o, -1).mT                                 # [B, L, O]
+    x = _padded(a, module)
     out = {}
     if "weight" in names:
-        if groups == 1:
-            out["weight"] = _weight_sq_or_grad(cols, go, norm)
+        per_example = module.weight.numel()
+        length = g[0, 0].numel()
+        if not norm:
+            out["weight"] = _conv_weight_grads(module, x, g)
+        elif groups * length * length < per_example:
+            def gram(s):
+                cols = _unfold(x[s], module)                      # [b, L, C*K]
+                ag = cols.reshape(cols.shape[0], length, groups, -1).transpose(1, 2)
+                gg = g[s].reshape(cols.shape[0], groups, -1, length).mT   # [b, G, L, Og]
+                return ((ag @ ag.mT) * (gg @ gg.mT)).sum((1, 2, 3))
+            columns = x.shape[1] * math.prod(module.kernel_size)   # C*K per position
+            out["weight"] = _chunked(b, length * (columns + 2 * groups * length), gram)
         else:
-            ag = cols.reshape(b, cols.shape[1], groups, -1).transpose(1, 2)   # [B, G, L, Cg*K]
-            gg = go.reshape(b, go.shape[1], groups, -1).transpose(1, 2)       # [B, G, L, Og]
-            length, width = ag.shape[2], ag.shape[3] * gg.shape[3]
-            if not norm:
-                out["weight"] = gg.mT @ ag                                      # [B, G, Og, Cg*K]
-            elif length * length < width:
-                out["weight"] = _chunked(b, 2 * groups * length * length, lambda s: (
-                    (ag[s] @ ag[s].mT) * (gg[s] @ gg[s].mT)).sum((1, 2, 3)))
-            else:
-                out["weight"] = _chunked(b, groups * width, lambda s: (
-                    gg[s].mT @ ag[s]).square().sum((1, 2, 3)))
+            out["weight"] = _chunked(b, per_example, lambda s: _sq(
+                _conv_weight_grads(module, x[s], g[s])))
     if "bias" in names:
-        out["bias"] = _sq(go.sum(1)) if norm else go.sum(1)
+        bias = g.reshape(b, o, -1).sum(-1)
+        out["bias"] = _sq(bias) if norm else bias
     return out
 
 
@@ -503,7 +529,8 @@ def _ghost(model, loss_fn, batch, clip_factors, api, named, b, dtype):
         # 3. the backward of the summed loss: the hooks fill sq / acc
         rec.phase = "backward"
         if rec.edges and losses.requires_grad:
-            torch.autograd.grad(losses.sum(), rec.edges, retain_graph=True, allow_unused=True)
+            torch.autograd.grad(losses.sum(), _frontier(rec.edges), retain_graph=True,
+                                allow_unused=True)
         rec.edges = []
         rec.phase = "off"
         for call in deferred:
@@ -525,6 +552,28 @@ def _ghost(model, loss_fn, batch, clip_factors, api, named, b, dtype):
     finally:
         rec.phase = "off"
         rec.remove()
+
+
+def _frontier(edges: List[torch.autograd.graph.GradientEdge]):
+    """The edges whose node reaches no other edge's node in the graph: the backward that
+    captures the gradients at these runs every other edge's node on its way (so their tensor
+    hooks fire, and tensor hooks fire at a captured edge too), and holds only these captured
+    gradients until it returns."""
+    hooked = {id(e.node) for e in edges}
+    out = []
+    for e in edges:
+        stack = [f for f, _ in e.node.next_functions if f is not None]
+        seen, reaches = set(), False
+        while stack and not reaches:
+            f = stack.pop()
+            if id(f) in seen:
+                continue
+            seen.add(id(f))
+            reaches = id(f) in hooked
+            stack.extend(nf for nf, _ in f.next_functions if nf is not None)
+        if not reaches:
+            out.append(e)
+    return out
 
 
 def _add(result: Grads, local: Dict[str, nn.Parameter], norm: bool, sq, acc, b: int,
