@@ -21,12 +21,15 @@ all-reduce exactly as for ``method="materialize"``.  One step:
    once); with the call's input ``a`` (the activations), each example's squared gradient norm
    is added up layer by layer:
 
-   * ``nn.Linear`` (any leading dims: ``T`` positions per example), ``nn.Conv1d/2d/3d`` (via
-     im2col: ``T`` = output positions; groups, dilation, stride, string padding and padding
-     modes), ``nn.Embedding`` (``a`` = the indices): the weight's
+   * ``nn.Linear`` (any leading dims: ``T`` positions per example), ``nn.Conv1d/2d/3d`` (the
+     im2col columns of its input: ``T`` = output positions; groups, dilation, stride, string
+     padding and padding modes), ``nn.Embedding`` (``a`` = the indices): the weight's
      ``||sum_t g_t a_t^T||^2 = sum_{t,s} (a_t.a_s)(g_t.g_s)`` from two ``T x T`` Gram matrices
      when ``T^2`` is below the weight's size, else that one layer's per-example gradient
-     (``B`` times the weight), as Opacus's ghost clipping chooses; the bias ``||sum_t g_t||^2``;
+     (``B`` times the weight; a convolution's from its weight backward with the examples
+     folded into the groups, no im2col), as Opacus's ghost clipping chooses; the bias
+     ``||sum_t g_t||^2``.  The Gram matrices and per-layer gradients are made a chunk of
+     examples at a time (``_CHUNK_ELEMENTS``);
    * ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``: the per-example gradients of their
      affine weight and bias (``B`` times a vector), from the normalised input recomputed from
      ``a``;
