@@ -41,8 +41,9 @@ Ghost clipping (``method="ghost"``; ``"materialize"``, steps 1-3 above, is the d
 example's gradient NORM comes from the layers' inputs and output gradients, captured by module
 and tensor hooks during one forward and backward of the batch (``functrans.nn.dp_ghost``, which
 documents the layers it covers and its fallbacks), and the clipped sum from one more backward
-of ``sum_i factor_i * loss_i``: peak memory about an ordinary backward's, where step 1 holds
-every example's gradient (``python -m benchmarks.dp_memory`` measures both).  Steps 4-5 and the
+of ``sum_i factor_i * loss_i``: peak memory a small multiple of an ordinary backward's (1.8x on
+the README's MLP, where step 1 takes 300x), as step 1 holds every example's gradient
+(``python -m benchmarks.dp_memory`` measures both).  Steps 4-5 and the
 distributed path are the same code for both methods (the same noise from the same seed).  The
 model must give each example, in the batch, the output it gives it alone (no BatchNorm in
 training mode).
@@ -267,7 +268,7 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, 
     ``method``: ``"materialize"`` (default): every example's gradient (``per_sample_grads``),
     then ``clip_and_sum``; ``"ghost"``: each example's gradient NORM from the layers' inputs and
     output gradients, then one more backward of the loss reweighted by the clipping factors
-    (``functrans.nn.dp_ghost``: memory about an ordinary backward's; the model must give each
+    (``functrans.nn.dp_ghost``: memory near an ordinary backward's; the model must give each
     example the output it gives it alone, e.g. no BatchNorm in training mode).  Both give the
     same result up to rounding (the noise is the same).
     """
@@ -297,11 +298,11 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, 
     return _finish(sums, norms, n, reduction, return_norms, api)
 
 
-METHODS = ("materialize", "ghost")
+_METHODS = ("materialize", "ghost")
 
 
 def _check_method(method, api: str) -> None:
-    if method not in METHODS:
+    if method not in _METHODS:
         raise TransformArgumentError(
             f"{api}: method must be 'materialize' (every example's gradient, then clipping) or "
             f"'ghost' (per-example gradient norms from the layers, then a reweighted "
