@@ -42,8 +42,8 @@ example's gradient NORM comes from the layers' inputs and output gradients, capt
 and tensor hooks during one forward and backward of the batch (``functrans.nn.dp_ghost``, which
 documents the layers it covers and its fallbacks), and the clipped sum from one more backward
 of ``sum_i factor_i * loss_i``: peak memory a small multiple of an ordinary backward's (1.8x on
-the README's MLP, where step 1 takes 300x), as step 1 holds every example's gradient
-(``python -m benchmarks.dp_memory`` measures both).  Steps 4-5 and the
+the README's MLP), where step 1 holds every example's gradient (330x there; ``python -m
+benchmarks.dp_memory`` measures both).  Steps 4-5 and the
 distributed path are the same code for both methods (the same noise from the same seed).  The
 model must give each example, in the batch, the output it gives it alone (no BatchNorm in
 training mode).
