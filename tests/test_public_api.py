@@ -497,7 +497,8 @@ def _surrogate_params():
 
 @_checks(*(f"nn.dp_sgd_grads.{p}" for p in (
     "model", "loss_fn", "batch", "max_norm", "noise_multiplier", "generator", "seed",
-    "reduction", "distributed", "process_group", "noise_rank", "return_norms", "randomness")))
+    "reduction", "distributed", "process_group", "noise_rank", "return_norms", "randomness",
+    "method")))
 def _dp_sgd_params():
     import torch.distributed as dist
     from functrans.nn import clip_and_sum, dp_sgd_grads, per_sample_grads
@@ -518,6 +519,11 @@ def _dp_sgd_params():
         dp_sgd_grads(model, loss, batch, max_norm=0.5, noise_multiplier=0.0, reduction="avg")
     with pytest.raises(ValueError, match="noise_multiplier"):
         dp_sgd_grads(model, loss, batch, max_norm=0.5, noise_multiplier=-1.0)
+    # method: ghost clipping gives the same clipped sum; an unknown method is refused
+    _close(dp_sgd_grads(model, loss, batch, max_norm=0.5, noise_multiplier=0.0,
+                        method="ghost"), clean)
+    with pytest.raises(ValueError, match="method"):
+        dp_sgd_grads(model, loss, batch, max_norm=0.5, noise_multiplier=0.0, method="fast")
     drop = torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(3, 2))
     with pytest.raises(Exception, match="randomness"):
         dp_sgd_grads(drop, loss, batch, max_norm=0.5, noise_multiplier=0.0, randomness="error")
@@ -531,6 +537,8 @@ def _dp_sgd_params():
                             distributed=True), noisy)
         _close(dp_sgd_grads(model, loss, batch, max_norm=0.5, noise_multiplier=1.0, seed=3,
                             process_group=group), noisy)
+        _close(dp_sgd_grads(model, loss, batch, max_norm=0.5, noise_multiplier=1.0, seed=3,
+                            process_group=group, method="ghost"), noisy)
         # noise_rank is not this rank: no noise added here
         _close(dp_sgd_grads(model, loss, batch, max_norm=0.5, noise_multiplier=1.0, seed=3,
                             distributed=True, noise_rank=1), clean)

@@ -37,6 +37,17 @@ the DDP wrapper; DDP's averaging all-reduce then yields the global noisy sum).
 The model must be functional per example: no BatchNorm in training mode (its statistics would
 mix examples, which DP-SGD forbids anyway); buffers are passed through unbatched.
 
+Ghost clipping (``method="ghost"``; ``"materialize"``, steps 1-3 above, is the default): each
+example's gradient NORM comes from the layers' inputs and output gradients, captured by module
+and tensor hooks during one forward and backward of the batch (``functrans.nn.dp_ghost``, which
+documents the layers it covers and its fallbacks), and the clipped sum from one more backward
+of ``sum_i factor_i * loss_i``: peak memory a small multiple of an ordinary backward's (1.8x on
+the README's MLP), where step 1 holds every example's gradient (330x there; ``python -m
+benchmarks.dp_memory`` measures both).  Steps 4-5 and the
+distributed path are the same code for both methods (the same noise from the same seed).  The
+model must give each example, in the batch, the output it gives it alone (no BatchNorm in
+training mode).
+
 An empty batch (``B = 0``, which Poisson sampling draws now and then) is a step like any other:
 the clipped sum is zero, the noise is added as usual; ``reduction="mean"`` raises (it would
 divide by zero; use ``"sum"`` and divide by the expected batch size).
@@ -62,7 +73,7 @@ steps=, delta=, accountant="rdp")`` is the ε of a run, ``noise_for_epsilon(targ
 (all from Opacus's accountants, an optional dependency: ``pip install functrans[dp]``).
 
 Imports: errors, stateless, batching.api, autodiff.grad, compiler.function, dp_accounting,
-poisson.
+poisson, dp_ghost.
 """
 from __future__ import annotations
 
@@ -77,6 +88,7 @@ from ..batching.api import check_randomness, vmap
 from ..compiler.function import compile as _compile
 from ..errors import (TransformArgumentError, TransformKeyError, TransformTypeError,
                       transform_call)
+from .dp_ghost import ghost_clipped_sum
 from .stateless import functional_call
 
 __all__ = ["per_sample_grads", "clip_and_sum", "add_gaussian_noise", "dp_sgd_grads",
@@ -220,7 +232,9 @@ def add_gaussian_noise(grads: Mapping[str, torch.Tensor], std: float, *,
     for name, g in grads.items():
         device = gen.device if gen is not None else g.device
         noise = torch.randn(g.shape, generator=gen, device=device, dtype=g.dtype)
-        out[name] = g + std * noise.to(g.device)
+        # std * noise + g, in the noise's own buffer (one temporary less than g + std * noise;
+        # the same values: IEEE addition and multiplication commute)
+        out[name] = noise.to(g.device).mul_(std).add_(g)
     return out
 
 
@@ -242,7 +256,7 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, 
                  generator: Optional[torch.Generator] = None, seed: Optional[int] = None,
                  reduction: str = "sum", distributed: bool = False, process_group=None,
                  noise_rank: int = 0, return_norms: bool = False,
-                 randomness: str = "different"):
+                 randomness: str = "different", method: str = "materialize"):
     """The privatized gradient of one DP-SGD step (see the module docstring for the recipe).
 
     Returns ``{name: noisy clipped gradient}`` for the trainable parameters (plus the
@@ -251,17 +265,23 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, 
     ``distributed=True`` (or a ``process_group``): all-reduce the clipped sums across the group;
     only rank ``noise_rank`` (a rank within the group) adds noise, from its ``generator``/``seed``.
     ``randomness``: see ``per_sample_grads`` (dropout masks per example).
+    ``method``: ``"materialize"`` (default): every example's gradient (``per_sample_grads``),
+    then ``clip_and_sum``; ``"ghost"``: each example's gradient NORM from the layers' inputs and
+    output gradients, then one more backward of the loss reweighted by the clipping factors
+    (``functrans.nn.dp_ghost``: memory near an ordinary backward's; the model must give each
+    example the output it gives it alone, e.g. no BatchNorm in training mode).  Both give the
+    same result up to rounding (the noise is the same).
     """
     api = transform_call("dp_sgd_grads", "model", "loss_fn", "batch", max_norm=max_norm,
                          noise_multiplier=noise_multiplier)
+    _check_method(method, api)
     _check_reduction(reduction, api)
     _check_noise_multiplier(noise_multiplier, api)
     _check_max_norm(max_norm, api)   # before the per-example gradients are computed
     gen = _generator(generator, seed, api)
     batch = _as_tuple(batch, api)
     n = _batch_size(batch, api)
-    per_sample = _per_sample_grads(model, loss_fn, batch, randomness, api)
-    sums, norms = _clip_and_sum(per_sample, max_norm, api)
+    sums, norms = _clipped_sum(model, loss_fn, batch, max_norm, randomness, method, api)
 
     distributed = distributed or process_group is not None
     adds_noise = True
@@ -276,6 +296,36 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch, 
     if distributed:
         sums = _all_reduce_sum(sums, process_group)
     return _finish(sums, norms, n, reduction, return_norms, api)
+
+
+_METHODS = ("materialize", "ghost")
+
+
+def _check_method(method, api: str) -> None:
+    if method not in _METHODS:
+        raise TransformArgumentError(
+            f"{api}: method must be 'materialize' (every example's gradient, then clipping) or "
+            f"'ghost' (per-example gradient norms from the layers, then a reweighted "
+            f"backward); got method={method!r}.")
+
+
+def _check_ghost_randomness(randomness, method: str, api: str) -> None:
+    check_randomness(randomness, api)
+    if method == "ghost" and randomness != "different":
+        raise TransformArgumentError(
+            f"{api}: method='ghost' runs the batch through the model at once, so each example "
+            f"draws its own random values (dropout), as randomness='different' does; got "
+            f"randomness={randomness!r}.  Use method='materialize' for {randomness!r}.")
+
+
+def _clipped_sum(model, loss_fn, batch: tuple, max_norm, randomness, method, api):
+    """Steps 1-3: ``(sums, norms)`` by ``method``."""
+    if method == "materialize":
+        return _clip_and_sum(_per_sample_grads(model, loss_fn, batch, randomness, api),
+                             max_norm, api)
+    _check_ghost_randomness(randomness, method, api)
+    return ghost_clipped_sum(_unwrap(model), loss_fn, batch,
+                             lambda norms: (max_norm / (norms + CLIP_EPS)).clamp(max=1.0), api)
 
 
 def _check_reduction(reduction, api: str) -> None:
@@ -323,15 +373,18 @@ class CompiledPrivateStep:
                  max_norm: float, noise_multiplier: float, buckets: Buckets = None,
                  max_batch_size: Optional[int] = None, generator: Optional[torch.Generator] = None,
                  seed: Optional[int] = None, reduction: str = "sum",
-                 randomness: str = "different", backend: str = "replay"):
+                 randomness: str = "different", backend: str = "replay",
+                 method: str = "materialize"):
         api = transform_call("compiled_private_step", "model", "loss_fn", max_norm=max_norm,
                              noise_multiplier=noise_multiplier, buckets=buckets,
                              max_batch_size=max_batch_size)
         self._api = api
+        _check_method(method, api)
+        self.method = method
         _check_max_norm(max_norm, api)
         _check_noise_multiplier(noise_multiplier, api)
         _check_reduction(reduction, api)
-        check_randomness(randomness, api)
+        _check_ghost_randomness(randomness, method, api)
         self.model, self.loss_fn = model, loss_fn
         self.max_norm, self.noise_multiplier = max_norm, noise_multiplier
         self.reduction, self.randomness = reduction, randomness
@@ -356,7 +409,8 @@ class CompiledPrivateStep:
             self._sizes = tuple(sorted({_positive_int(b, "every bucket size", api)
                                         for b in buckets}))
         count = self._bucket_count()
-        self._compiled = _compile(self._masked_clipped_sum, backend=backend,
+        part = self._masked_ghost_sum if method == "ghost" else self._masked_clipped_sum
+        self._compiled = _compile(part, backend=backend,
                                   cache_size=count if count is not None else 32)
 
     # ---------------------------------------------------------------- buckets
@@ -405,6 +459,17 @@ class CompiledPrivateStep:
             masked[name] = torch.where(keep, g, g.new_zeros(()))
         return _clip_and_sum(masked, self.max_norm, self._api)
 
+    def _masked_ghost_sum(self, model: nn.Module, mask: torch.Tensor, batch: tuple):
+        """Steps 1-3 by ghost clipping on a padded batch: the rows where ``mask`` is False get
+        the clipping factor 0 in the reweighted backward and the norm 0.  ``model`` (the plain
+        module) is an argument so that ``functrans.compile`` re-reads its parameters and
+        buffers on every call."""
+        def factors(norms):
+            return torch.where(mask, (self.max_norm / (norms + CLIP_EPS)).clamp(max=1.0),
+                               norms.new_zeros(()))
+        sums, norms = ghost_clipped_sum(model, self.loss_fn, batch, factors, self._api)
+        return sums, torch.where(mask, norms, norms.new_zeros(()))
+
     def masked_clipped_sum(self, batch, mask: torch.Tensor) -> Tuple[Grads, torch.Tensor]:
         """Steps 1-3, compiled, on a batch that is already padded: ``(sums, norms)`` as
         ``clip_and_sum`` returns them, where the rows with ``mask[i] == False`` contribute
@@ -423,6 +488,8 @@ class CompiledPrivateStep:
             return _clip_and_sum(
                 _per_sample_grads(self.model, self.loss_fn, batch, self.randomness, api),
                 self.max_norm, api)
+        if self.method == "ghost":
+            return self._compiled(_unwrap(self.model), mask, batch)
         params, rest = _trainable(_unwrap(self.model))
         if not params:
             _clip_and_sum({}, self.max_norm, api)   # raises: nothing to clip
@@ -480,8 +547,8 @@ def compiled_private_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor]
                           max_batch_size: Optional[int] = None,
                           generator: Optional[torch.Generator] = None,
                           seed: Optional[int] = None, reduction: str = "sum",
-                          randomness: str = "different",
-                          backend: str = "replay") -> CompiledPrivateStep:
+                          randomness: str = "different", backend: str = "replay",
+                          method: str = "materialize") -> CompiledPrivateStep:
     """A DP-SGD step for batches whose size changes every step (Poisson sampling), compiled
     with ``functrans.compile`` so that it never retraces per step.
 
@@ -513,11 +580,18 @@ def compiled_private_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor]
     Single process only (no ``process_group``).  ``step.masked_clipped_sum(batch, mask)`` runs
     the compiled part on a batch the caller padded; ``step.bucket_for(B)`` is the padded size;
     ``step.cache_info()`` the compiled part's counters.
+    ``method="ghost"`` (see ``dp_sgd_grads``): steps 1-3 by ghost clipping, traced per bucket
+    the same way (the module and tensor hooks, both backwards and the per-module ``vmap(grad)``
+    fallbacks run during the trace and their ops are replayed); the parameters are read from
+    the model on every call.  A padded row gets the clipping factor 0 in the reweighted
+    backward and the norm 0: it adds exact zeros as long as the first example (which it
+    copies) has a finite gradient.
     """
     return CompiledPrivateStep(model, loss_fn, max_norm=max_norm,
                                noise_multiplier=noise_multiplier, buckets=buckets,
                                max_batch_size=max_batch_size, generator=generator, seed=seed,
-                               reduction=reduction, randomness=randomness, backend=backend)
+                               reduction=reduction, randomness=randomness, backend=backend,
+                               method=method)
 
 
 def assign_grads(model: nn.Module, grads: Mapping[str, torch.Tensor], *,

@@ -8,7 +8,9 @@ launch for all of them: starting processes is the slow part).  A mode is
   noise is added once, by rank 0;
 * ``ddp``: the model wrapped in ``DistributedDataParallel(static_graph=True)``; each rank
   backwards ``surrogate_loss`` of its local clipped sum (rank 0's with the noise) scaled by the
-  world size, so DDP's averaging all-reduce yields the global noisy sum.
+  world size, so DDP's averaging all-reduce yields the global noisy sum;
+* ``allreduce_ghost`` / ``ddp_ghost``: the same with ``method="ghost"`` (the ddp mode's local
+  clipped sum from ``dp_sgd_grads(ddp, ..., method="ghost")``, noise on rank 0 only).
 Each rank takes its contiguous half of the batch; after STEPS optimizer steps it saves its
 parameters to OUT_DIR/<mode>_rank<RANK>.pt.  ``make_problem``/``reference_params`` are the
 single-process reference.
@@ -87,14 +89,21 @@ def run_mode(rank, world, mode):
     model, x, y = make_problem()
     batch = (_shard(x, rank, world), _shard(y, rank, world))
     gen = torch.Generator().manual_seed(SEED)  # only rank 0 ever draws from it
-    if mode == "ddp":
+    method = "ghost" if mode.endswith("_ghost") else "materialize"
+    if mode.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel
         ddp = DistributedDataParallel(model, static_graph=True)
         opt = _optimizer(ddp)
         for _ in range(STEPS):
-            sums, _ = clip_and_sum(per_sample_grads(ddp, loss_fn, batch), MAX_NORM)
-            if rank == 0:
-                sums = add_gaussian_noise(sums, NOISE_MULTIPLIER * MAX_NORM, generator=gen)
+            if method == "ghost":
+                sums = dp_sgd_grads(ddp, loss_fn, batch, max_norm=MAX_NORM,
+                                    noise_multiplier=NOISE_MULTIPLIER if rank == 0 else 0.0,
+                                    generator=gen, method="ghost")
+            else:
+                sums, _ = clip_and_sum(per_sample_grads(ddp, loss_fn, batch), MAX_NORM)
+                if rank == 0:
+                    sums = add_gaussian_noise(sums, NOISE_MULTIPLIER * MAX_NORM,
+                                              generator=gen)
             local = {k: g / BATCH for k, g in sums.items()}  # "mean" over the GLOBAL batch
             opt.zero_grad()
             # A forward through the DDP wrapper arms its reducer (the anchor enters as
@@ -108,7 +117,7 @@ def run_mode(rank, world, mode):
         for _ in range(STEPS):
             grads = dp_sgd_grads(model, loss_fn, batch, max_norm=MAX_NORM,
                                  noise_multiplier=NOISE_MULTIPLIER, generator=gen,
-                                 reduction="mean", distributed=True)
+                                 reduction="mean", distributed=True, method=method)
             opt.zero_grad()
             assign_grads(model, grads)
             opt.step()

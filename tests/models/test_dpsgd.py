@@ -196,12 +196,13 @@ def _gloo_available():
     return dist.is_available() and dist.is_gloo_available()
 
 
-MODES = ["allreduce", "ddp"]
+# the *_ghost modes: the same with dp_sgd_grads(..., method="ghost") (tests/models/test_dp_ghost.py)
+MODES = ["allreduce", "ddp", "allreduce_ghost", "ddp_ghost"]
 
 
 @pytest.fixture(scope="module")
 def two_process_results(tmp_path_factory):
-    """Launch 2 gloo ranks once (both modes in one process group); {mode: [params per rank]}."""
+    """Launch 2 gloo ranks once (every mode in one process group); {mode: [params per rank]}."""
     if not _gloo_available():
         pytest.skip("torch.distributed with gloo is unavailable")
     tmp = tmp_path_factory.mktemp("dp_ranks")
