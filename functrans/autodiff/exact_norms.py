@@ -18,7 +18,12 @@ in nested autodiff transforms.  First-order transforms (grad, vjp, jacrev, vmap(
 per-sample gradients) keep the fused kernels.  Running statistics are still updated by the fused
 kernel (under no_grad), so their semantics under vmap do not change.
 
-Imports: _levels, levels.
+The same mode runs ``F.scaled_dot_product_attention`` on its math composition in forward mode
+too (a ``jvp`` level on the stack, whatever the graph order): the fused CPU kernel has no
+forward formula, and its backward no derivative (``math_attention.py``).  The mode is therefore
+active under every jvp as well; the norms are swapped only at graph order 2 and above.
+
+Imports: _levels, levels, math_attention.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _levels
 from .levels import AutodiffLevel
+from .math_attention import scaled_dot_product_attention
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _tls = threading.local()
@@ -105,28 +111,35 @@ _EXACT = {F.layer_norm: layer_norm, torch.layer_norm: layer_norm,
           F.batch_norm: batch_norm, F.instance_norm: instance_norm}
 
 
-class ExactNormsMode(TorchFunctionMode):
-    """Runs layer_norm / batch_norm / instance_norm as primitive ops (see the module doc)."""
+_ATTENTION = {F.scaled_dot_product_attention: scaled_dot_product_attention}
+
+
+class ComposedKernelsMode(TorchFunctionMode):
+    """Runs layer_norm / batch_norm / instance_norm as primitive ops at graph order 2 and
+    above, and scaled_dot_product_attention on its math composition (see the module doc)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        attention: Optional[object] = _ATTENTION.get(func)
+        if attention is not None:
+            return attention(*args, **(kwargs or {}))
         exact: Optional[object] = _EXACT.get(func)
-        if exact is not None:
+        if exact is not None and graph_order() >= 2:
             return exact(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def autodiff_level(kind: str, order: int = 1) -> Iterator[AutodiffLevel]:
-    """Push an autodiff level; at graph order 2 and above, also run the function with
-    ``ExactNormsMode`` (once per thread: inner levels find it active)."""
+    """Push an autodiff level; in forward mode or at graph order 2 and above, also run the
+    function with ``ComposedKernelsMode`` (once per thread: inner levels find it active)."""
     level = AutodiffLevel(kind, order)
     with _levels.pushed(level):
-        if graph_order() < 2 or getattr(_tls, "active", False):
+        if (graph_order() < 2 and kind != "jvp") or getattr(_tls, "active", False):
             yield level
             return
         _tls.active = True
         try:
-            with ExactNormsMode():
+            with ComposedKernelsMode():
                 yield level
         finally:
             _tls.active = False
