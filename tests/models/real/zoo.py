@@ -159,8 +159,18 @@ def _image(name, build, *, hf=False, train=False, attention=False, size=IMAGE):
                 train=train, attention=attention)
 
 
+TRANSFORMERS = ["gpt2", "bert", "distilbert", "llama", "t5", "bart", "hf_vit"]
+TIMM = ["timm_resnet_gn", "timm_resnet_bn", "timm_resnet_bn_eval", "timm_vit", "timm_convnext"]
+MODELS = TRANSFORMERS + TIMM
+
+
+def spec(name: str) -> Spec:
+    """One model's Spec; ``ImportError`` (with the reason) when its package is missing."""
+    return (_transformers_specs() if name in TRANSFORMERS else _timm_specs())[name]
+
+
 def specs() -> Dict[str, Spec]:
-    """The models whose packages import here, by name (``ImportError``s are skipped)."""
+    """The models whose packages import here, by name (the others are left out)."""
     out: Dict[str, Spec] = {}
     for make in (_transformers_specs, _timm_specs):
         try:
@@ -245,14 +255,15 @@ def _timm_specs() -> Dict[str, Spec]:
 
     def convnext():
         return timm.models.convnext.ConvNeXt(
-            depths=(1, 1, 1, 1), dims=(8, 8, 16, 16), num_classes=CLASSES, patch_size=4)
+            depths=(1, 1, 1, 1), dims=(8, 8, 16, 16), num_classes=CLASSES, patch_size=4,
+            output_stride=16)
 
     return {
         "timm_resnet_gn": _image("timm_resnet_gn", resnet_gn),
         "timm_resnet_bn": _image("timm_resnet_bn", resnet_bn, train=True),
         "timm_resnet_bn_eval": _image("timm_resnet_bn_eval", resnet, train=False),
         "timm_vit": _image("timm_vit", vit, attention=True),
-        "timm_convnext": _image("timm_convnext", convnext, size=32),   # four stages: 8, 4, 2, 1 px
+        "timm_convnext": _image("timm_convnext", convnext, size=32),   # stages: 8, 4, 2, 2 px
     }
 
 

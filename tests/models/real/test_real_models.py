@@ -1,0 +1,190 @@
+"""functrans on real models (HF transformers and timm, tiny configs, nothing downloaded;
+``zoo.py`` builds them) against plain eager PyTorch one example (or one model) at a time:
+
+* per-sample gradients: ``vmap(grad(loss))`` over ``functional_call``, eval mode (dropout off;
+  the replaced-BatchNorm ResNet in training mode, each example normalised by its own statistics);
+* ensembles: ``stack_module_state`` of two models + ``vmap`` (timm's ConvNeXt included: its
+  head pools a channels_last input, which ATen restrides with ``as_strided_``);
+* ``jvp`` and ``vmap(vjp)`` of the logits w.r.t. the input embeddings (text) or the pixels;
+* the per-sample gradients through ``functrans.compile``;
+* ``jacfwd`` and ``hessian`` through attention (the fused CPU kernel has no forward formula:
+  functrans runs its math composition in forward mode, ``functrans/autodiff/math_attention.py``);
+* dropout in training mode, deliberately: ``randomness='same'`` equals the loop re-seeded per
+  example, ``'different'`` gives identical examples different gradients, ``'error'`` refuses.
+
+Every functrans call runs under ``strict_fallback()`` inside ``record_fallbacks()``: no op of
+these models reaches the per-example loop fallback.
+
+The tests skip, with the reason, when transformers or timm is missing (``pip install
+functrans[models]``, or ``bash scripts/setup.sh dev``).
+"""
+import contextlib
+
+import pytest
+import torch
+
+import functrans as ft
+from tests.models.real import zoo
+from tests.support.oracles import assert_same
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+ATTENTION = ["gpt2", "bert", "distilbert", "llama", "t5", "bart", "hf_vit", "timm_vit"]
+# Tracing a whole model for functrans.compile costs 1-4 s a model on one core: the default run
+# compiles two (a transformer, a CNN with GroupNorm); the others run with -m sweep.
+COMPILED_BY_DEFAULT = ["gpt2", "timm_resnet_gn"]
+
+
+def _spec(name):
+    try:
+        return zoo.spec(name)
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
+@contextlib.contextmanager
+def no_fallback():
+    """Strict (a fallback raises) and recorded (the report must stay empty)."""
+    with ft.record_fallbacks() as report, ft.config.strict_fallback():
+        yield report
+    assert not report, str(report)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_per_sample_grads(name):
+    spec = _spec(name)
+    model = spec.make(0)
+    xs, ys = spec.batch()
+    with no_fallback():
+        got = zoo.per_sample_grads(ft, spec, model, xs, ys)
+    assert_same(got, zoo.loop_per_sample_grads(spec, model, xs, ys), **TOL, msg=name)
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_ensemble(name):
+    spec = _spec(name)
+    models = [spec.make(0), spec.make(1)]
+    xs, _ = spec.batch()
+    with no_fallback():
+        got = zoo.ensemble(ft, spec, models, xs)
+    expected = zoo.loop_ensemble(spec, models, xs)
+    assert not torch.allclose(expected[0], expected[1])   # two different models
+    assert_same(got, expected, **TOL, msg=name)
+
+
+def test_convnext_ensemble_pools_a_channels_last_input():
+    """Issue 25: timm's ConvNeXt head runs ``adaptive_avg_pool2d(x, 1)`` on a channels_last
+    input, which ATen restrides in place (``as_strided_``); under vmap that is a no-op on the
+    batched mean (fixed on main); here the model's own head, in an ensemble."""
+    spec = _spec("timm_convnext")
+    models = [spec.make(0), spec.make(1)]
+    xs, _ = spec.batch()
+    seen = []
+    hook = models[0].head.global_pool.register_forward_pre_hook(
+        lambda mod, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)
+                                      and args[0].shape[-1] > 1))
+    try:
+        expected = zoo.loop_ensemble(spec, models[:1], xs)
+    finally:
+        hook.remove()
+    assert seen and all(seen)   # the eager head pools a channels_last map larger than 1x1
+    with no_fallback():
+        got = zoo.ensemble(ft, spec, models, xs)
+    assert_same(got[:1], expected, **TOL)
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_jvp_of_logits_wrt_inputs(name):
+    spec = _spec(name)
+    model = spec.make(0)
+    xs, _ = spec.batch()
+    es, ts, _ = zoo.embeds_and_directions(spec, model, xs)
+    with no_fallback():
+        got = zoo.jvp_embeds(ft, spec, model, es, ts)
+    assert_same(got, zoo.loop_jvp_embeds(spec, model, es, ts), **TOL, msg=name)
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_vmap_of_vjp_of_logits_wrt_inputs(name):
+    spec = _spec(name)
+    model = spec.make(0)
+    xs, _ = spec.batch()
+    es, _, cts = zoo.embeds_and_directions(spec, model, xs)
+    with no_fallback():
+        got = zoo.vjp_embeds(ft, spec, model, es, cts)
+    assert_same(got, zoo.loop_vjp_embeds(spec, model, es, cts), **TOL, msg=name)
+
+
+@pytest.mark.parametrize("name", [
+    n if n in COMPILED_BY_DEFAULT else pytest.param(n, marks=pytest.mark.sweep)
+    for n in zoo.MODELS])
+def test_compiled_per_sample_grads(name):
+    spec = _spec(name)
+    model = spec.make(0)
+    xs, ys = spec.batch()
+    step = ft.compile(lambda p, x, y: zoo.per_sample_grads(ft, spec, model, x, y))
+    params, _ = zoo.params_and_buffers(model)
+    expected = zoo.loop_per_sample_grads(spec, model, xs, ys)
+    with no_fallback():
+        first = step(params, xs, ys)
+    xs2, ys2 = xs.flip(0), ys.flip(0)          # other values, same shapes: the traced graph
+    second = step(params, xs2, ys2)
+    assert step.cache_info().hits >= 1
+    assert_same(first, expected, **TOL, msg=name)
+    assert_same(second, zoo.loop_per_sample_grads(spec, model, xs2, ys2), **TOL, msg=name)
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_jacfwd_and_hessian_through_attention(name):
+    """Forward mode through F.scaled_dot_product_attention: jacfwd against jacrev (first-order
+    reverse, the fused kernel and its own backward), hessian against jacrev(jacrev)."""
+    spec = _spec(name)
+    model = spec.make(0)
+    xs, _ = spec.batch()
+    e = zoo.embeds_and_directions(spec, model, xs)[0][0]
+
+    def logits(e):                      # a small output: the logits summed over positions
+        out = spec.from_embeds(model, e)
+        return out.sum(0) if out.dim() > 1 else out
+
+    def energy(e):
+        return (spec.from_embeds(model, e) ** 2).sum()
+    with no_fallback():
+        jf = ft.jacfwd(logits)(e)
+        h = ft.hessian(energy)(e)
+    assert_same(jf, ft.jacrev(logits)(e), **TOL, msg=name)
+    assert_same(h, ft.jacrev(ft.jacrev(energy))(e), rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_dropout_randomness_in_training_mode(name):
+    spec = _spec(name)
+    model = spec.make(0).train()
+    xs, ys = spec.batch()
+    # 'same': one dropout draw shared by the batch, as each example's eager draw after the
+    # same seed
+    torch.manual_seed(5)
+    with no_fallback():
+        same = zoo.per_sample_grads(ft, spec, model, xs, ys, {"randomness": "same"})
+    loop = []
+    for i in range(len(xs)):
+        torch.manual_seed(5)
+        loop.append(zoo.loop_per_sample_grads(spec, model, xs[i:i + 1], ys[i:i + 1]))
+    assert_same(same, {k: torch.cat([g[k] for g in loop]) for k in same}, **TOL)
+    # 'different': identical examples get different dropout draws, so different gradients
+    x1, y1 = xs[:1].expand_as(xs).contiguous(), ys[:1].expand_as(ys).contiguous()
+    with no_fallback():
+        diff = zoo.per_sample_grads(ft, spec, model, x1, y1, {"randomness": "different"})
+        shared = zoo.per_sample_grads(ft, spec, model, x1, y1, {"randomness": "same"})
+    w = next(k for k in diff if diff[k].dim() > 2)
+    assert not torch.allclose(diff[w][0], diff[w][1])
+    torch.testing.assert_close(shared[w][0], shared[w][1])
+    with pytest.raises(ft.UnsupportedUnderVmap, match="random"):
+        zoo.per_sample_grads(ft, spec, model, xs, ys)        # randomness='error' (default)
