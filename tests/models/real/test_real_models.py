@@ -9,6 +9,9 @@
 * the per-sample gradients through ``functrans.compile``;
 * ``jacfwd`` and ``hessian`` through attention (the fused CPU kernel has no forward formula:
   functrans runs its math composition in forward mode, ``functrans/autodiff/math_attention.py``);
+* padded batches: a padding mask per example (``attention_mask``); HF's Python control flow on
+  the mask (``torch.all(mask == 1)``) runs once when every example agrees, and is refused with
+  a clear error when they disagree (torch.func refuses both);
 * dropout in training mode, deliberately: ``randomness='same'`` equals the loop re-seeded per
   example, ``'different'`` gives identical examples different gradients, ``'error'`` refuses.
 
@@ -161,6 +164,25 @@ def test_jacfwd_and_hessian_through_attention(name):
         h = ft.hessian(energy)(e)
     assert_same(jf, ft.jacrev(logits)(e), **TOL, msg=name)
     assert_same(h, ft.jacrev(ft.jacrev(energy))(e), rtol=1e-3, atol=1e-4, msg=name)
+
+
+TEXT = [n for n in zoo.TRANSFORMERS if n != "hf_vit"]
+
+
+@pytest.mark.parametrize("name", TEXT)
+def test_per_sample_grads_of_a_padded_batch(name):
+    spec = _spec(name)
+    model = spec.make(0)
+    xs, ys = spec.batch()
+    masks = torch.ones_like(xs)
+    masks[0, -2:] = 0
+    masks[1:, -1] = 0           # every example padded: the models' checks agree
+    with no_fallback():
+        got = zoo.per_sample_grads(ft, spec, model, xs, ys, masks=masks)
+    assert_same(got, zoo.loop_per_sample_grads(spec, model, xs, ys, masks), **TOL, msg=name)
+    masks[1] = 1                # one example unpadded: `if torch.all(mask == 1)` disagrees
+    with pytest.raises(ft.UnsupportedUnderVmap, match="bool"):
+        zoo.per_sample_grads(ft, spec, model, xs, ys, masks=masks)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert"])

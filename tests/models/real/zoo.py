@@ -95,8 +95,8 @@ class Spec:
     train: bool = False                         # run in training mode (BatchNorm statistics)
     attention: bool = False                     # calls F.scaled_dot_product_attention
 
-    def loss(self, model, x, y):
-        out = self.logits(model, x)
+    def loss(self, model, x, y, *mask):
+        out = self.logits(model, x, *mask)
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
     def make(self, seed: int = 0) -> torch.nn.Module:
@@ -130,8 +130,10 @@ def _decoder_ids(x):
 
 
 def _text(name, build, *, lm, encoder_decoder=False):
-    def logits(model, x):
+    def logits(model, x, attention_mask=None):
         kw = {"decoder_input_ids": _decoder_ids(x)[None]} if encoder_decoder else {}
+        if attention_mask is not None:   # 1: a token, 0: padding
+            kw["attention_mask"] = attention_mask[None]
         return model(input_ids=x[None], **kw).logits[0]
 
     def embeds(model, x):
@@ -275,13 +277,17 @@ def params_and_buffers(model):
             {k: v for k, v in model.named_buffers()})
 
 
-def per_sample_grads(lib, spec: Spec, model, xs, ys, vmap_kwargs: Optional[dict] = None):
+def per_sample_grads(lib, spec: Spec, model, xs, ys, vmap_kwargs: Optional[dict] = None,
+                     masks: Optional[torch.Tensor] = None):
+    """``masks``: a padding mask per example (text models), passed as ``attention_mask``."""
     params, buffers = params_and_buffers(model)
 
-    def loss(p, x, y):
-        return spec.loss(_Bound(lib, model, p, buffers), x, y)
+    def loss(p, x, y, *mask):
+        return spec.loss(_Bound(lib, model, p, buffers), x, y, *mask)
 
-    return lib.vmap(lib.grad(loss), in_dims=(None, 0, 0), **(vmap_kwargs or {}))(params, xs, ys)
+    extra = () if masks is None else (masks,)
+    return lib.vmap(lib.grad(loss), in_dims=(None, 0, 0) + (0,) * len(extra),
+                    **(vmap_kwargs or {}))(params, xs, ys, *extra)
 
 
 class _Bound:
@@ -301,12 +307,12 @@ class _Bound:
         return lambda ids: F.embedding(ids, weight, emb.padding_idx)
 
 
-def loop_per_sample_grads(spec: Spec, model, xs, ys):
+def loop_per_sample_grads(spec: Spec, model, xs, ys, masks: Optional[torch.Tensor] = None):
     names = [k for k, _ in model.named_parameters()]
     grads = []
-    for x, y in zip(xs, ys):
-        model.zero_grad()
-        gs = torch.autograd.grad(spec.loss(model, x, y), list(model.parameters()),
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        mask = () if masks is None else (masks[i],)
+        gs = torch.autograd.grad(spec.loss(model, x, y, *mask), list(model.parameters()),
                                  allow_unused=True)
         grads.append({k: torch.zeros_like(p) if g is None else g
                       for k, g, p in zip(names, gs, model.parameters())})
