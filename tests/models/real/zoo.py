@@ -387,3 +387,53 @@ def embeds_and_directions(spec: Spec, model, xs):
         out_shape = spec.from_embeds(model, es[0]).shape
     cts = torch.randn((es.shape[0],) + tuple(out_shape), generator=g)
     return es, ts, cts
+
+
+# Second order and forward mode at one example: ``e`` is one example's embeddings / pixels.
+
+def _small_logits(spec: Spec, model):
+    def logits(e):                      # a small output: the logits summed over positions
+        out = spec.from_embeds(model, e)
+        return out.sum(0) if out.dim() > 1 else out
+    return logits
+
+
+def _energy(spec: Spec, model):
+    def energy(e):
+        return (spec.from_embeds(model, e) ** 2).sum()
+    return energy
+
+
+def jacfwd_logits(lib, spec: Spec, model, e):
+    return lib.jacfwd(_small_logits(spec, model))(e)
+
+
+def hessian_energy(lib, spec: Spec, model, e):
+    return lib.hessian(_energy(spec, model))(e)
+
+
+def _math_attention():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+def loop_jacobian_logits(spec: Spec, model, e):
+    """Plain reverse mode, one output element at a time."""
+    e = e.detach().requires_grad_()
+    out = _small_logits(spec, model)(e)
+    rows = [torch.autograd.grad(o, e, retain_graph=True)[0] for o in out.reshape(-1)]
+    return torch.stack(rows).reshape(*out.shape, *e.shape)
+
+
+def loop_hessian_energy(spec: Spec, model, e, directions=None):
+    """Plain double backward, attention on its math kernel (the fused CPU kernel's backward has
+    no derivative in PyTorch): the Hessian row by row, or its products with ``directions``
+    (a few random directions check a large Hessian at a fraction of the cost)."""
+    e = e.detach().requires_grad_()
+    with _math_attention():
+        g = torch.autograd.grad(_energy(spec, model)(e), e, create_graph=True)[0]
+        if directions is not None:
+            return torch.stack([torch.autograd.grad(g, e, d, retain_graph=True)[0]
+                                for d in directions])
+        rows = [torch.autograd.grad(gi, e, retain_graph=True)[0] for gi in g.reshape(-1)]
+    return torch.stack(rows).reshape(*e.shape, *e.shape)
