@@ -131,7 +131,9 @@ def run_cell(run: Callable, loop: Callable, check: Optional[Callable], repeats: 
     return row
 
 
-def table(models: List[str], repeats: int) -> Tuple[str, bool]:
+def table(models: List[str], repeats: int, workloads: Optional[List[str]] = None
+          ) -> Tuple[str, bool]:
+    """The markdown table, and whether a functrans cell failed; ``workloads``: only these."""
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     lines = [f"Real models, eager, CPU, 1 torch thread, torch {torch.__version__}; median of "
@@ -147,6 +149,8 @@ def table(models: List[str], repeats: int) -> Tuple[str, bool]:
             lines.append(f"| {name} | – | SKIPPED: {e} | | | | |")
             continue
         for wl, entry in _workloads(spec).items():
+            if workloads is not None and wl not in workloads:
+                continue
             run, loop = entry[0], entry[1]
             check = entry[2] if len(entry) > 2 else None
             # warm-up: the first calls import and build caches
@@ -170,9 +174,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--models", default=",".join(zoo.MODELS),
                    help="comma-separated names (default: all): " + ", ".join(zoo.MODELS))
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--workloads", help="comma-separated workload names (default: all)")
     p.add_argument("--markdown", help="also write the table to this file")
     args = p.parse_args(argv)
-    text, failed = table([m for m in args.models.split(",") if m], args.repeats)
+    text, failed = table([m for m in args.models.split(",") if m], args.repeats,
+                         args.workloads.split(",") if args.workloads else None)
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as fh:
