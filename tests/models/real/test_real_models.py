@@ -22,6 +22,7 @@ The tests skip, with the reason, when transformers or timm is missing (``pip ins
 functrans[models]``, or ``bash scripts/setup.sh dev``).
 """
 import contextlib
+import re
 
 import pytest
 import torch
@@ -35,6 +36,11 @@ ATTENTION = ["gpt2", "bert", "distilbert", "llama", "t5", "bart", "hf_vit", "tim
 # Tracing a whole model for functrans.compile costs 1-4 s a model on one core: the default run
 # compiles two (a transformer, a CNN with GroupNorm); the others run with -m sweep.
 COMPILED_BY_DEFAULT = ["gpt2", "timm_resnet_gn"]
+# Compiled functions that run eagerly, on purpose, with the reason functrans.compile gives:
+# BART's decoder asks HF's `_ignore_causal_mask_sdpa` whether its padding mask is all ones
+# (`fast_all(mask)`, a bool() of a tensor), which a traced graph must not bake in; HF skips the
+# check only under its own list of tracers (torch.jit, fx proxies, dynamo).
+RUNS_EAGERLY = {"bart": r"masking_utils.py:\d+ \(in _ignore_causal_mask_sdpa\)"}
 
 
 def _spec(name):
@@ -139,7 +145,12 @@ def test_compiled_per_sample_grads(name):
         first = step(params, xs, ys)
     xs2, ys2 = xs.flip(0), ys.flip(0)          # other values, same shapes: the traced graph
     second = step(params, xs2, ys2)
-    assert step.cache_info().hits >= 1
+    info = step.cache_info()
+    if name in RUNS_EAGERLY:
+        assert info.eager_calls >= 1 and re.search(RUNS_EAGERLY[name], info.eager_reason), \
+            info.eager_reason
+    else:
+        assert info.hits >= 1 and not info.eager_calls, info
     assert_same(first, expected, **TOL, msg=name)
     assert_same(second, zoo.loop_per_sample_grads(spec, model, xs2, ys2), **TOL, msg=name)
 
