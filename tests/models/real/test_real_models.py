@@ -5,7 +5,7 @@
   the replaced-BatchNorm ResNet in training mode, each example normalised by its own statistics);
 * ensembles: ``stack_module_state`` of two models + ``vmap`` (timm's ConvNeXt included: its
   head pools a channels_last input, which ATen restrides with ``as_strided_``);
-* ``jvp`` and ``vmap(vjp)`` of the logits w.r.t. the input embeddings (text) or the pixels;
+* ``jvp`` (one example, and under ``vmap``) and ``vmap(vjp)`` of the logits w.r.t. the input embeddings (text) or the pixels;
 * the per-sample gradients through ``functrans.compile``;
 * ``jacfwd`` and ``hessian`` through attention (the fused CPU kernel has no forward formula:
   functrans runs its math composition in forward mode, ``functrans/autodiff/math_attention.py``);
@@ -117,7 +117,10 @@ def test_jvp_of_logits_wrt_inputs(name):
     es, ts, _ = zoo.embeds_and_directions(spec, model, xs)
     with no_fallback():
         got = zoo.jvp_embeds(ft, spec, model, es, ts)
-    assert_same(got, zoo.loop_jvp_embeds(spec, model, es, ts), **TOL, msg=name)
+    expected = zoo.loop_jvp_embeds(spec, model, es, ts)
+    assert_same(got, expected, **TOL, msg=name)
+    one = ft.jvp(lambda e: spec.from_embeds(model, e), (es[0],), (ts[0],))   # outside vmap
+    assert_same(one, (expected[0][0], expected[1][0]), **TOL, msg=name)
 
 
 @pytest.mark.parametrize("name", zoo.MODELS)
