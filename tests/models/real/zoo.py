@@ -65,22 +65,23 @@ def _torchvision_importable() -> None:
 
 
 def import_transformers():
-    if importlib.util.find_spec("transformers") is None:
-        raise ImportError("transformers is not installed (pip install functrans[models], or "
-                          "bash scripts/setup.sh dev)")
-    _torchvision_importable()
-    import transformers
-    transformers.logging.set_verbosity_error()
-    return transformers
+    return _import("transformers")
 
 
 def import_timm():
-    if importlib.util.find_spec("timm") is None:
-        raise ImportError("timm is not installed (pip install functrans[models], or "
-                          "bash scripts/setup.sh dev)")
+    return _import("timm")
+
+
+def _import(name):
     _torchvision_importable()
-    import timm
-    return timm
+    try:
+        module = importlib.import_module(name)
+    except ImportError as e:
+        raise ImportError(f"{name} is not installed ({e}): pip install functrans[models], or "
+                          "bash scripts/setup.sh dev") from e
+    if name == "transformers":
+        module.logging.set_verbosity_error()
+    return module
 
 
 @dataclasses.dataclass
