@@ -17,10 +17,18 @@ extra=${1:-}
 # The optional packages the tests, the examples and the docs use, installed --no-deps (pinned)
 # so pip never resolves torch: Opacus (DP-SGD equivalence, accounting, benchmark rows; scipy and
 # opt_einsum need only numpy, already here) and torchdata (the torchdata.nodes -> DDP example;
-# requests and urllib3 are its only other needs).
+# requests and urllib3 are its only other needs), and the `models` extra: transformers and timm
+# for tests/models/real/ (tiny configs, no download) with their pure-Python needs, and
+# torchvision 0.28.0 (the release paired with torch 2.13; timm imports it).  A torchvision
+# wheel built for CUDA cannot load its C extension beside a CPU torch; tests/models/real/
+# says how timm still imports then (timm's models use none of torchvision's ops).
 no_deps_extras() {
   "$VPY" -m pip install -q --no-deps opacus==1.6.0 "scipy>=1.2" "opt_einsum>=3.3" \
       torchdata==0.11.0 requests urllib3 charset_normalizer idna certifi
+  "$VPY" -m pip install -q --no-deps transformers==5.18.0 huggingface_hub==1.33.0 \
+      tokenizers==0.23.2 safetensors==0.8.0 regex==2026.9.29 tqdm==4.70.1 \
+      httpx==0.28.1 httpcore==1.0.9 anyio==4.15.1 h11==0.16.0 sniffio==1.3.1 hf-xet==1.6.0 \
+      "click>=8.4.2" timm==1.0.29 torchvision==0.28.0 pillow
 }
 case "$extra" in
   "") "$VPY" -m pip install -q -e . ;;

@@ -18,10 +18,14 @@ in nested autodiff transforms.  First-order transforms (grad, vjp, jacrev, vmap(
 per-sample gradients) keep the fused kernels.  Running statistics are still updated by the fused
 kernel (under no_grad), so their semantics under vmap do not change.
 
-The same mode makes the values computed where the user switched forward mode off constants for
-jvp's double-vjp levels (``forward_regions``).
+The same mode runs ``F.scaled_dot_product_attention`` on its math composition in forward mode
+too (a ``jvp`` level on the stack, whatever the graph order): the fused CPU kernel has no
+forward formula, and its backward no derivative (``math_attention.py``).  The mode is therefore
+active under every jvp as well; the norms are swapped only at graph order 2 and above.  It also
+makes the values computed where the user switched forward mode off constants for jvp's
+double-vjp levels (``forward_regions``).
 
-Imports: _levels, levels, forward_regions.
+Imports: _levels, levels, forward_regions, math_attention.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _levels
 from .forward_regions import cut_levels, enter_forward_level, make_constant
 from .levels import AutodiffLevel
+from .math_attention import scaled_dot_product_attention
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _tls = threading.local()
@@ -109,13 +114,21 @@ _EXACT = {F.layer_norm: layer_norm, torch.layer_norm: layer_norm,
           F.batch_norm: batch_norm, F.instance_norm: instance_norm}
 
 
-class ExactNormsMode(TorchFunctionMode):
-    """Runs layer_norm / batch_norm / instance_norm as primitive ops (see the module doc), and
+_ATTENTION = {F.scaled_dot_product_attention: scaled_dot_product_attention}
+
+
+class ComposedKernelsMode(TorchFunctionMode):
+    """Runs layer_norm / batch_norm / instance_norm as primitive ops at graph order 2 and
+    above, scaled_dot_product_attention on its math composition (see the module doc), and
     makes what is computed with forward mode switched off a constant for the double-vjp levels
-    (See Note [forward-disabled regions on the double-vjp route] in forward_regions.py)."""
+    (Note [forward-disabled regions on the double-vjp route] in forward_regions.py)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = _EXACT.get(func, func)(*args, **(kwargs or {}))
+        impl = _ATTENTION.get(func)
+        if impl is None:
+            exact = _EXACT.get(func)
+            impl = exact if exact is not None and graph_order() >= 2 else func
+        out = impl(*args, **(kwargs or {}))
         cut = cut_levels()
         if cut:
             make_constant(out, args, kwargs, cut)
@@ -125,19 +138,19 @@ class ExactNormsMode(TorchFunctionMode):
 @contextlib.contextmanager
 def autodiff_level(kind: str, order: int = 1, forward: bool = False
                    ) -> Iterator[AutodiffLevel]:
-    """Push an autodiff level; at graph order 2 and above, also run the function with
-    ``ExactNormsMode`` (once per thread: inner levels find it active).  ``forward``: a
-    forward-mode level on the double-vjp route (``AutodiffLevel.forward``)."""
+    """Push an autodiff level; in forward mode or at graph order 2 and above, also run the
+    function with ``ComposedKernelsMode`` (once per thread: inner levels find it active).
+    ``forward``: a forward-mode level on the double-vjp route (``AutodiffLevel.forward``)."""
     level = AutodiffLevel(kind, order, forward)
     if forward:
         enter_forward_level(level)
     with _levels.pushed(level):
-        if graph_order() < 2 or getattr(_tls, "active", False):
+        if (graph_order() < 2 and kind != "jvp") or getattr(_tls, "active", False):
             yield level
             return
         _tls.active = True
         try:
-            with ExactNormsMode():
+            with ComposedKernelsMode():
                 yield level
         finally:
             _tls.active = False

@@ -18,7 +18,7 @@ switches forward mode on for its own level only, so the levels around it, off wh
 entered, stay off for everything inside it.  The double-vjp route leaves PyTorch's switch alone
 (an outer dual level of PyTorch's must still see the user's setting), so a level entered with
 the switch already off counts as on for its own function.  The ``TorchFunctionMode`` active at
-graph order 2 and above (``exact_norms.ExactNormsMode``, always on during a double-vjp level)
+graph order 2 and above (``exact_norms.ComposedKernelsMode``, always on during a double-vjp level)
 asks ``cut_levels()`` after each torch call: for a non-empty answer, ``make_constant()``
 registers a hook on each output (on the physical value under a vmap that runs inside the level)
 that gives a zero gradient while one of those levels takes its own derivatives

@@ -10,7 +10,9 @@ Invariants:
 * the fused kernels take [N, H, L, E] tensors: the vmap batch folds into N (every tensor gets
   the batch first, shared ones as expanded views), so each example attends only to itself; an
   attention mask shared by the batch broadcasts as is when its leading dim is 1 or it is 2-D,
-  and is expanded per example otherwise;
+  and is expanded per example otherwise; a batched mask (the CPU kernels' ``attn_mask=``
+  keyword: T5's position bias in an ensemble, a padding mask per example) is padded to the
+  kernel's 4 dims, its N dim expanded to the query's, and folded like q/k/v;
 * the CPU kernel gives wrong values for inputs whose last dim is not unit-stride; the rule
   hands it such inputs made contiguous (a batch dim moved last would otherwise trigger it);
 * dropout: the CPU kernel refuses ``dropout_p > 0``; the rule declines it, so the random-op
@@ -33,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from ..helpers import (ensure_bdim_front, fold_bdim_into_dim0, logical_rank, physical_dim,
-                       split_dim0)
+from ..helpers import (ensure_bdim_front, fold_bdim_into_dim0, logical_rank,
+                       move_bdim_to_front, physical_dim, split_dim0)
 from ..registry import Decline, registrar
 
 aten = torch.ops.aten
@@ -55,10 +57,23 @@ def _fold(t, bdim, size):
     return T if T.dim() < 2 or T.stride(-1) == 1 else T.contiguous()
 
 
-def _fold_mask(mask, size):
-    if mask is None or mask.dim() == 2 or mask.shape[0] == 1:
+def _fold_mask(mask, size, bdim=None, n=None):
+    """The mask for the folded [B*N, H, L, S] call: a shared one as is when it broadcasts
+    over B*N, else expanded per example; a batched one (``bdim``) padded to 4 logical dims,
+    its N dim expanded to ``n`` (the query's), folded."""
+    if mask is None:
         return mask
-    return fold_bdim_into_dim0(mask, None, size)
+    if bdim is None:
+        if mask.dim() == 2 or mask.shape[0] == 1:
+            return mask
+        return fold_bdim_into_dim0(mask, None, size)
+    m = move_bdim_to_front(mask, bdim)
+    m = m.reshape(size, *([1] * (5 - m.dim())), *m.shape[1:])    # [B, N|1, H|1, L, S]
+    return _fold(m.expand(size, n, *m.shape[2:]), 0, size)
+
+
+def _mask_dim(_kw_dims):
+    return (_kw_dims or {}).get("attn_mask")
 
 
 def _check_fusable(tensors, in_dims, dropout_p):
@@ -68,25 +83,55 @@ def _check_fusable(tensors, in_dims, dropout_p):
         raise Decline()   # the kernel's own error for other ranks
 
 
-@register_batch_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
+@register_batch_rule(aten._scaled_dot_product_flash_attention_for_cpu.default,
+                     batched_kwargs=True)
 def flash_attention_cpu_rule(info, in_dims, q, k, v, dropout_p=0.0, is_causal=False, *,
-                             attn_mask=None, scale=None):
+                             attn_mask=None, scale=None, _kw_dims=None):
     _check_fusable((q, k, v), in_dims[:3], dropout_p)
     B = info.batch_size
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(
-        *(_fold(t, d, B) for t, d in zip((q, k, v), in_dims)), dropout_p, is_causal,
-        attn_mask=_fold_mask(attn_mask, B), scale=scale)
+    q, k, v = (_fold(t, d, B) for t, d in zip((q, k, v), in_dims))
+    mask = _fold_mask(attn_mask, B, _mask_dim(_kw_dims), q.shape[0] // B)
+    kernel = _math_with_lse if mask is not None and mask.requires_grad and \
+        torch.is_grad_enabled() else aten._scaled_dot_product_flash_attention_for_cpu.default
+    out, lse = kernel(q, k, v, dropout_p, is_causal, attn_mask=mask, scale=scale)
     return (split_dim0(out, B), split_dim0(lse, B)), (0, 0)
 
 
-@register_batch_rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+# Note [a mask that requires grad]
+# The fused CPU kernel has no gradient for attn_mask, so eager sdpa picks its math path when the
+# mask requires grad (T5's position bias, computed from a parameter).  Under vmap with autograd
+# on the physical values (an ensemble's stacked parameters, grad outside vmap; Note [autograd on
+# physical values] in batching/dispatch.py), sdpa chose the kernel on the wrappers, which do not
+# require grad, and only the physical mask does: the rule then computes the kernel's outputs
+# with the math composition, differentiable in every input (the op's torch._decomp entry does
+# the same but returns the attention weights where the kernel returns its logsumexp).
+def _math_with_lse(q, k, v, dropout_p, is_causal, *, attn_mask, scale):
+    """The CPU kernel's (output [N, H, L, E], logsumexp [N, H, L]) by its math composition."""
+    gqa = q.shape[1] != k.shape[1]
+    out = aten._scaled_dot_product_attention_math.default(
+        q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=gqa)[0]
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if attn_mask is not None:   # (a float mask: one that requires grad; the kernel takes no bool)
+        scores = scores + attn_mask
+    if is_causal:
+        upper = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(upper, float("-inf"))
+    return out, torch.logsumexp(scores, -1)
+
+
+@register_batch_rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                     batched_kwargs=True)
 def flash_attention_cpu_backward_rule(info, in_dims, grad, q, k, v, out, lse, dropout_p,
-                                      is_causal, *, attn_mask=None, scale=None):
+                                      is_causal, *, attn_mask=None, scale=None, _kw_dims=None):
     _check_fusable((grad, q, k, v, out), in_dims[:5], dropout_p)
     B = info.batch_size
     folded = [_fold(t, d, B) for t, d in zip((grad, q, k, v, out, lse), in_dims)]
     grads = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
-        *folded, dropout_p, is_causal, attn_mask=_fold_mask(attn_mask, B), scale=scale)
+        *folded, dropout_p, is_causal,
+        attn_mask=_fold_mask(attn_mask, B, _mask_dim(_kw_dims), folded[1].shape[0] // B),
+        scale=scale)
     return tuple(split_dim0(t, B) for t in grads), (0, 0, 0)
 
 

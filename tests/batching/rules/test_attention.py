@@ -70,6 +70,42 @@ def test_flash_attention_cpu_kernel_and_backward(mask, causal):
                          [q, k, v], nested=False, rtol=1e-4, atol=1e-5)
 
 
+@pytest.fixture
+def no_decomposition(monkeypatch):
+    """Any op that reaches a torch._decomp decomposition fails the test (the rule must run)."""
+    from functrans.batching import dispatch
+
+    def refuse(op, args, kwargs):
+        raise AssertionError(f"{op} ran its decomposition: its rule was bypassed or declined")
+    monkeypatch.setattr(dispatch.decompositions, "run_decomposition", refuse)
+
+
+@pytest.mark.parametrize("mask_shape", [(5, 6), (1, 1, 5, 6), (1, 2, 5, 6), (2, 2, 5, 6)],
+                         ids=lambda s: "x".join(map(str, s)))   # (the kernel takes 2-D or 4-D)
+def test_flash_attention_cpu_kernel_with_a_batched_mask(mask_shape, no_decomposition):
+    """A mask batched at the vmap level (T5's position bias in an ensemble, a padding mask per
+    example) is folded like q/k/v; forward and backward kernels, every bdim choice."""
+    n = mask_shape[0] if len(mask_shape) == 4 else 1
+    q, k, v = (t.expand(n, 2, *t.shape[2:]).clone() for t in (FQ, FK, FV))
+    mask = torch.randn(mask_shape, generator=g)
+    fused = lambda a, b, c, m: aten._scaled_dot_product_flash_attention_for_cpu(
+        a.contiguous(), b.contiguous(), c.contiguous(), 0.0, False, attn_mask=m.contiguous(),
+        scale=0.4)
+    for in_dims in [(None, None, None, 0), (0, 0, 0, 0), (0, None, None, -1), (None, -1, 0, 0),
+                    (-1, -1, -1, -1)]:
+        check_vmap(fused, [q, k, v, mask], in_dims)
+    inner = lambda *a: ft.vmap(fused, in_dims=(0, None, None, 0))(*a)   # vmap∘vmap
+    check_vmap(inner, [make_batch(q, 0, 2), k, v, make_batch(mask, 0, 2)], (0, None, None, -1))
+    out, lse = fused(q, k, v, mask)
+    gout = torch.randn(out.shape, generator=g)
+    backward = lambda gr, a, b, c, o, l, m: \
+        aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *(t.contiguous() for t in (gr, a, b, c, o, l)), 0.0, False,
+            attn_mask=m.contiguous(), scale=0.4)
+    for in_dims in [(None,) * 6 + (0,), (0, 0, 0, 0, 0, 0, -1), (0, None, -1, 0, 0, 0, 0)]:
+        check_vmap(backward, [gout, q, k, v, out, lse, mask], in_dims, rtol=1e-4, atol=1e-5)
+
+
 def test_per_sample_gradients_of_an_attention_block_vs_torch_func():
     d = 8
     params = {n: torch.randn(d, d, generator=g) / d ** 0.5 for n in ("q", "k", "v", "o")}
@@ -415,3 +451,36 @@ def test_transformer_encoder_layer_per_sample_grads_through_the_efficient_kernel
         for n, gr in zip(p, torch.autograd.grad(loss(p, x, y), list(p.values()))):
             expected[n].append(gr)
     assert_same(got, {n: torch.stack(v) for n, v in expected.items()}, rtol=1e-4, atol=1e-5)
+
+
+def test_a_mask_that_requires_grad_under_vmap_with_grad_outside(no_decomposition):
+    """Note [a mask that requires grad]: grad outside vmap differentiates the physical values;
+    the mask's gradient (eager sdpa takes its math path for it) per example, and summed."""
+    q = make_batch(FQ, 0, 3)
+    masks = torch.randn(3, 5, 5, generator=g)
+    shared = torch.randn(5, 5, generator=g)
+
+    def f(q, m):
+        return (F.scaled_dot_product_attention(q, q, q, attn_mask=m) ** 2).sum()
+    for mask, in_dims in [(masks, (0, 0)), (shared, (0, None))]:
+        got = ft.grad(lambda q, m: ft.vmap(f, in_dims=in_dims)(q, m).sum(), argnums=(0, 1))(
+            q, mask)
+        qq, mm = q.detach().requires_grad_(), mask.detach().requires_grad_()
+        loop = sum(f(qq[i], mm[i] if in_dims[1] == 0 else mm) for i in range(3))
+        assert_same(got, torch.autograd.grad(loop, (qq, mm)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["float", "causal", "gqa"])   # (the kernel takes no bool mask)
+def test_math_with_lse_gives_the_cpu_kernels_outputs(case):
+    from functrans.batching.rules.attention import _math_with_lse
+    q, k, v = (torch.randn(2, 2, 5, 4, generator=g), torch.randn(2, 2, 6, 4, generator=g),
+               torch.randn(2, 2, 6, 4, generator=g))
+    mask, causal = None, case == "causal"
+    if case == "float":
+        mask = torch.randn(2, 1, 5, 6, generator=g)
+    elif case == "gqa":
+        k, v = k[:, :1], v[:, :1]
+    fused = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                             attn_mask=mask, scale=0.4)
+    assert_same(_math_with_lse(q, k, v, 0.0, causal, attn_mask=mask, scale=0.4), fused,
+                rtol=1e-5, atol=1e-6)
