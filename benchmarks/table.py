@@ -166,13 +166,13 @@ def _settle_tiers(fn, row: Row, name: str, want) -> str:
     settled on ("inductor" or "replay") and why."""
     from functrans.compiler import tiering
     start = time.perf_counter()
-    for _ in range(tiering.HOT_CALLS + 1000):
+    for _ in range(tiering.HOT_CALLS + tiering.HOT_MANY_CALLS + 10):
         fn()
         if time.perf_counter() - start > 2 * tiering.HOT_SECONDS + 0.05 and \
                 "replay (" not in fn.cache_info().entries[0].tier:
             break
     fn.wait(timeout=900)
-    for _ in range(tiering.TRIAL_CALLS + 2):
+    for _ in range(2 * tiering.TRIAL_CALLS + 6):
         _assert_agree(fn(), want, row, name)
     entry = fn.cache_info().entries[0]
     return entry.tier.replace("tier: ", "", 1)

@@ -9,12 +9,13 @@ What this module owns
   ``state()`` says which tier serves the entry and why (``cache_info()`` shows it);
   ``wait(timeout)`` blocks until no compilation of this entry is pending (benchmarks, tests).
 
-The life of an entry: ``replay`` → after ``HOT_CALLS`` calls and ``HOT_SECONDS`` of replay time,
-the graph is copied and handed to the compiler thread with clones of this call's inputs
-(``compiling``) → ready: the next call runs both (when the graph is pure: no writes into its
-inputs, no random draws) and compares, then ``TRIAL_CALLS`` calls are timed against the replay's
-recent median (CPU; on CUDA the compiled graph is kept without timing: launches are
-asynchronous) → ``inductor`` or back to ``replay`` with the reason.
+The life of an entry: ``replay`` → after ``HOT_CALLS`` calls and ``HOT_SECONDS`` of replay time
+(or ``HOT_MANY_CALLS`` calls however short), the graph is copied and handed to the compiler
+thread with clones of this call's inputs (``compiling``) → ready: the next call runs both (when
+the graph is pure: no writes into its inputs, no random draws) and compares, then the two run
+alternately, ``TRIAL_CALLS`` timed calls each after one untimed (so both see the same load on
+the machine), and the medians decide (CPU; on CUDA the compiled graph is kept without timing:
+launches are asynchronous) → ``inductor`` or back to ``replay`` with the reason.
 
 A caveat of running Inductor beside the caller: while its AOTAutograd traces (make_fx), FX's
 process-wide "symbolic tracing" flag is up, and a ``torch.compile``d function called meanwhile in
@@ -26,7 +27,6 @@ Imports: compiler.passes, compiler.backends.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import copy
 import statistics
@@ -41,9 +41,9 @@ import torch.utils._pytree as pytree
 from . import passes
 
 HOT_CALLS = 8           # calls before a graph counts as hot ...
-HOT_SECONDS = 0.05      # ... and seconds of replay time summed over them
-TRIAL_CALLS = 5         # compiled calls timed before the choice
-_RECENT = 16            # replay times kept for the comparison
+HOT_SECONDS = 0.05      # ... and seconds of replay time summed over them,
+HOT_MANY_CALLS = 200    # or this many calls however short
+TRIAL_CALLS = 6         # calls of each, alternated, timed before the choice (after one each)
 
 _executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _executor_lock = threading.Lock()
@@ -95,7 +95,7 @@ class Tiered:
         self._lock = threading.Lock()
         self._calls = 0
         self._replay_seconds = 0.0
-        self._recent: "collections.deque[float]" = collections.deque(maxlen=_RECENT)
+        self._replay_times: List[float] = []
         self._future: Optional[concurrent.futures.Future] = None
         self._candidate: Optional[Callable[[list], list]] = None
         self._trial: List[float] = []
@@ -116,12 +116,11 @@ class Tiered:
             return self._try(candidate, inputs)
         start = time.perf_counter()
         out = self._replay(inputs)
-        seconds = time.perf_counter() - start
-        self._recent.append(seconds)
         self._calls += 1
-        self._replay_seconds += seconds
+        self._replay_seconds += time.perf_counter() - start
         if self._future is None and self._tier == "replay" and not self._why \
-                and self._calls >= HOT_CALLS and self._replay_seconds >= HOT_SECONDS:
+                and self._calls >= HOT_CALLS and (self._replay_seconds >= HOT_SECONDS
+                                                  or self._calls >= HOT_MANY_CALLS):
             self._start(inputs)
         return out
 
@@ -155,7 +154,13 @@ class Tiered:
             if self._candidate is not candidate:
                 return self._replay(inputs)
             cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs)
+            # the trial alternates the two, so that both see the same load on the machine
+            replay_turn = self._checked and len(self._replay_times) < len(self._trial)
             start = time.perf_counter()
+            if replay_turn:
+                out = self._replay(inputs)
+                self._replay_times.append(time.perf_counter() - start)
+                return out
             try:
                 out = candidate(inputs)
             except Exception as exc:
@@ -178,9 +183,9 @@ class Tiered:
                                             "not timed)")
                 return out
             self._trial.append(seconds)
-            if len(self._trial) >= TRIAL_CALLS:
-                compiled_ms = statistics.median(self._trial) * 1e3
-                replay_ms = statistics.median(self._recent) * 1e3
+            if len(self._trial) > TRIAL_CALLS and len(self._replay_times) > TRIAL_CALLS:
+                compiled_ms = statistics.median(self._trial[1:]) * 1e3     # after one each
+                replay_ms = statistics.median(self._replay_times[1:]) * 1e3
                 if compiled_ms <= replay_ms:
                     self._settle(candidate, f"compiled by Inductor in the background "
                                             f"({compiled_ms:.3g} ms a call, replay "
