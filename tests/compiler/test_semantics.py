@@ -464,36 +464,55 @@ def test_function_error_propagates_unchanged():
     torch.testing.assert_close(compiled(square), square @ square)
 
 
-@pytest.mark.parametrize("same_shapes", [True, False])
-def test_threads(same_shapes):
+def _per_example_grads_in_threads(backend, threads, calls, size):
+    """``compile(vmap(grad(loss)))`` called from several threads at once, each call checked
+    against torch.func; the compiled function, for the caller's own checks."""
     def loss(w, x):
         return torch.tanh(x @ w).sum()
-    compiled = functrans.compile(functrans.vmap(functrans.grad(loss), in_dims=(None, 0)))
+    compiled = functrans.compile(functrans.vmap(functrans.grad(loss), in_dims=(None, 0)),
+                                 backend=backend)
     reference = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))
     w = torch.randn(4, 3)
     errors = []
 
     def worker(k):
         try:
-            for i in range(20):
-                n = 5 if same_shapes else 2 + (k + i) % 4
+            for i in range(calls):
                 g = torch.Generator().manual_seed(100 * k + i)
-                x = torch.randn(n, 2, 4, generator=g)
-                out = compiled(w, x)
-                torch.testing.assert_close(out, reference(w, x))
+                x = torch.randn(size(k, i), 2, 4, generator=g)
+                torch.testing.assert_close(compiled(w, x), reference(w, x))
         except Exception as exc:     # collected, asserted in the main thread
             errors.append(exc)
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileWarning)
+        running = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+        for t in running:
+            t.start()
+        for t in running:
+            t.join()
     assert not errors, errors
+    return compiled
+
+
+@pytest.mark.parametrize("same_shapes", [True, False])
+def test_threads(same_shapes):
+    compiled = _per_example_grads_in_threads(
+        "replay", 4, 20, lambda k, i: 5 if same_shapes else 2 + (k + i) % 4)
     info = compiled.cache_info()
     assert info.hits + info.misses + info.eager_calls == 80
     static = [e for e in info.entries if not e.symbolic]
     assert len(static) <= (1 if same_shapes else 4)
     assert len(info.entries) - len(static) <= (0 if same_shapes else 1)  # one symbolic graph
+
+
+def test_threads_inductor():
+    """Threads tracing (make_fx raises FX's process-wide tracing flag) while others run an
+    Inductor graph: a Dynamo-wrapped graph refused to run then ("Detected that you are using
+    FX to symbolically trace a dynamo-optimized function"); Inductor's graph entry has no
+    Dynamo wrapper."""
+    compiled = _per_example_grads_in_threads("inductor", 6, 6, lambda k, i: 3 + (k + i) % 3)
+    info = compiled.cache_info()
+    assert info.eager_calls == 0 and {e.backend for e in info.entries} == {"inductor"}, info
 
 
 def test_forward_ad_zero_tangent_traces():
@@ -517,38 +536,6 @@ def test_forward_ad_zero_tangent_traces():
         for got, want in zip(compiled(*xs), stack(torch.func)(*xs)):
             torch.testing.assert_close(got, want)
     assert compiled.cache_info().misses == 1
-
-
-def test_threads_inductor():
-    """Threads tracing (make_fx raises FX's process-wide tracing flag) while others run an
-    Inductor graph: a Dynamo-wrapped graph refused to run then ("Detected that you are using
-    FX to symbolically trace a dynamo-optimized function"); Inductor's graph entry has no
-    Dynamo wrapper."""
-    def loss(w, x):
-        return torch.tanh(x @ w).sum()
-    compiled = functrans.compile(functrans.vmap(functrans.grad(loss), in_dims=(None, 0)),
-                                 backend="inductor")
-    reference = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))
-    w = torch.randn(4, 3)
-    errors = []
-
-    def worker(k):
-        try:
-            for i in range(6):
-                x = torch.randn(3 + (k + i) % 3, 2, 4)
-                torch.testing.assert_close(compiled(w, x), reference(w, x))
-        except Exception as exc:     # collected, asserted in the main thread
-            errors.append(exc)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", CompileWarning)
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert not errors, errors
-    info = compiled.cache_info()
-    assert info.eager_calls == 0 and {e.backend for e in info.entries} == {"inductor"}, info
 
 
 # ------------------------------------------------------------------------------ reporting, API
