@@ -14,10 +14,11 @@ What this module owns
 Note [how chunk_size="auto" measures]
 The batched call is run on fake tensors (``FakeTensorMode``: shapes, dtypes and devices, no
 memory, no kernels): the mapped inputs become fake tensors of the probe's batch size, tensors
-the function closes over are converted on first use.  Below the vmap level's mode and above
-the fake mode sits ``_LiveBytes``, a ``TorchDispatchMode`` that sees every physical op the
-batching rules issue (and the backward's and forward-AD's ops, which run through the same
-stack) and keeps the bytes of the live storages those ops created:
+the function closes over are converted on first use.  The fake mode is ``_LiveBytes``, a
+``FakeTensorMode`` that also counts: every physical op ends in it, whichever route it took
+(the vmap level's mode, a BatchedTensor's own ``__torch_dispatch__`` in a backward pass,
+forward-AD's tangent ops, a decomposition's inner ops), and it keeps the bytes of the live
+storages those ops created:
 
 * an output whose storage is new (it aliases no fake input of the op) adds its storage's
   ``nbytes``; an output that aliases an input (a view, an in-place op's result) shares that
@@ -55,11 +56,10 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .. import config
@@ -173,15 +173,15 @@ def budget(device: torch.device) -> int:
     return max(1, int(fraction * free_memory(device)))
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Counts the bytes of live storages created by the ops it sees (Note [how
+class _LiveBytes(FakeTensorMode):
+    """A fake mode that also counts the bytes of the live storages its ops create (Note [how
     chunk_size="auto" measures])."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(allow_non_fake_inputs=True)
         self.live = 0
         self.peak = 0
-        self.records: dict = {}   # id(fake tensor) -> [nbytes, holders]
+        self.records: Dict[int, List[int]] = {}   # id(fake tensor) -> [nbytes, holders]
 
     def _release(self, key: int, record: List[int]) -> None:
         if self.records.get(key) is record:
@@ -196,7 +196,7 @@ class _LiveBytes(TorchDispatchMode):
         weakref.finalize(t, self._release, id(t), record)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        out = super().__torch_dispatch__(func, types, args, kwargs)
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, FakeTensor)]
         if not outs:
             return out
@@ -226,7 +226,7 @@ def peak_bytes(run: Callable[[List[Any], int], Any], flat_args: Sequence[Any],
     """The peak bytes of ``run(args, size)`` on fake tensors: the mapped inputs narrowed to
     ``size`` examples and made fake, the others passed as they are (converted on first use)."""
     cpu, cuda = _rng_state()
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = _LiveBytes()
     old = probing()
     _tls.probing = True
     try:
@@ -237,10 +237,9 @@ def peak_bytes(run: Callable[[List[Any], int], Any], flat_args: Sequence[Any],
             # its physical ops meet the fake mode
             fake = [mode.from_tensor(a) if type(a) in (torch.Tensor, torch.nn.Parameter) else a
                     for a in narrowed]
-            with _LiveBytes() as counter:
-                out = run(fake, size)
-                del out
-            return counter.peak
+            out = run(fake, size)
+            del out
+        return mode.peak
     finally:
         _tls.probing = old
         torch.set_rng_state(cpu)
