@@ -46,7 +46,9 @@ the fake mode on the mode stack, so the outer level's physical ops would run on 
 unseen (put ``"auto"`` on the outermost vmap: its probe sees every level inside it).  When a
 probe fails (an op without a fake/meta kernel, a data-dependent shape, ``.item()``, any
 error), the batch runs unchunked, as with ``chunk_size=None``, and the reason is recorded in
-the ``ChunkChoice``: never an error, never another answer.
+the ``ChunkChoice``: never an error, never another answer.  Under ``functrans.compile`` the
+probes run with make_fx's proxy modes off (they are not part of the graph) and the chunk chosen
+at trace time is baked into the graph.
 
 Imports: config.
 """
@@ -60,6 +62,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils._pytree import tree_flatten
 
 from .. import config
@@ -232,7 +235,8 @@ def peak_bytes(run: Callable[[List[Any], int], Any], flat_args: Sequence[Any],
     try:
         narrowed = [a.narrow(d, 0, size) if d is not None and isinstance(a, torch.Tensor) else a
                     for a, d in zip(flat_args, flat_dims)]
-        with mode:
+        # under functrans.compile's make_fx the probe is not part of the trace
+        with disable_proxy_modes_tracing(), mode:
             # plain tensors become fake; a subclass (an outer vmap's BatchedTensor) stays, and
             # its physical ops meet the fake mode
             fake = [mode.from_tensor(a) if type(a) in (torch.Tensor, torch.nn.Parameter) else a
