@@ -33,8 +33,11 @@ trace did not create (the function's closed-over weights, a vjp's saved activati
 exist before and after any chunk), and the allocator's rounding.  The chunk is then chosen by
 probing: the whole batch first (if its peak fits the budget, nothing is chunked); otherwise one
 example, a straight line through the two (fixed bytes + bytes per example), the largest chunk
-the line fits in the budget, and that chunk probed again (shrunk in proportion while it
-overshoots, at most ``_REFINE`` times; 1 at the least).  Each probe calls the function once
+the line fits in the budget together with the earlier chunks' results (measured too: the bytes
+still live when the whole-batch probe returns), and that chunk probed again (shrunk in
+proportion while it overshoots, at most ``_REFINE`` times; 1 at the least).  The results of
+all chunks and their concatenation (twice the results) are the floor of any chunked run: a
+budget below it still gets the chunk above, with the reason saying so.  Each probe calls the function once
 more, on fake tensors: its Python side effects happen again (its tensors' values are not
 touched, and the CPU and CUDA random states are restored afterwards).
 
@@ -58,7 +61,7 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -82,7 +85,11 @@ class ChunkChoice:
         chunk_size: the chosen chunk (``None``: the whole batch at once).
         budget: the bytes a chunk may use (``budget()``).
         peak_bytes: the measured peak of the whole batch, or ``None``.
+        result_bytes: the bytes of the whole batch's results (live when the call returns).
         chunk_peak_bytes: the measured peak of one chunk of ``chunk_size``, or ``None``.
+        estimated_peak_bytes: the peak of the run as chosen: the whole batch's, or the
+            chunk's with the earlier chunks' results beside it, and at least twice the results
+            (all chunks' results and their concatenation).
         per_example_bytes, fixed_bytes: the straight line through the probes, or ``None``.
         reason: why the choice was made (a fallback's names the failure).
     """
@@ -91,7 +98,9 @@ class ChunkChoice:
     chunk_size: Optional[int]
     budget: int
     peak_bytes: Optional[int] = None
+    result_bytes: Optional[int] = None
     chunk_peak_bytes: Optional[int] = None
+    estimated_peak_bytes: Optional[int] = None
     per_example_bytes: Optional[float] = None
     fixed_bytes: Optional[float] = None
     reason: str = ""
@@ -228,6 +237,12 @@ def peak_bytes(run: Callable[[List[Any], int], Any], flat_args: Sequence[Any],
                flat_dims: Sequence[Optional[int]], size: int) -> int:
     """The peak bytes of ``run(args, size)`` on fake tensors: the mapped inputs narrowed to
     ``size`` examples and made fake, the others passed as they are (converted on first use)."""
+    return measure(run, flat_args, flat_dims, size)[0]
+
+
+def measure(run: Callable[[List[Any], int], Any], flat_args: Sequence[Any],
+            flat_dims: Sequence[Optional[int]], size: int) -> Tuple[int, int]:
+    """``peak_bytes()``, and the bytes still live when ``run`` returned (its results)."""
     cpu, cuda = _rng_state()
     mode = _LiveBytes()
     old = probing()
@@ -242,8 +257,9 @@ def peak_bytes(run: Callable[[List[Any], int], Any], flat_args: Sequence[Any],
             fake = [mode.from_tensor(a) if type(a) in (torch.Tensor, torch.nn.Parameter) else a
                     for a in narrowed]
             out = run(fake, size)
+            held = mode.live
             del out
-        return mode.peak
+        return mode.peak, held
     finally:
         _tls.probing = old
         torch.set_rng_state(cpu)
@@ -278,25 +294,37 @@ def choose(api: str, run: Callable[[List[Any], int], Any], flat_args: Sequence[A
         return _record(ChunkChoice(chunk_size=None, reason=f"fallback: {unmeasurable}; the "
                                    "batch runs unchunked", **info)).chunk_size
     try:
-        whole = peak_bytes(run, flat_args, flat_dims, batch_size)
-        info["peak_bytes"] = whole
+        whole, results = measure(run, flat_args, flat_dims, batch_size)
+        info.update(peak_bytes=whole, result_bytes=results)
         if whole <= limit or batch_size == 1:
             why = "the whole batch fits" if whole <= limit else "one example"
-            return _record(ChunkChoice(chunk_size=None, reason=why, **info)).chunk_size
+            return _record(ChunkChoice(chunk_size=None, reason=why, estimated_peak_bytes=whole,
+                                       **info)).chunk_size
         one = peak_bytes(run, flat_args, flat_dims, 1)
         per = max((whole - one) / (batch_size - 1), 1.0)
         fixed = max(one - per, 0.0)
+        per_result = results / batch_size
         info.update(per_example_bytes=per, fixed_bytes=fixed)
-        chunk = int(min(batch_size - 1, max(1, (limit - fixed) // per)))
+
+        def total(chunk: int, measured: int) -> float:
+            # the chunk's own peak, with the earlier chunks' results held beside it
+            return measured + (batch_size - chunk) * per_result
+
+        room = limit - fixed - batch_size * per_result
+        chunk = int(min(batch_size - 1, max(1, room // max(per - per_result, 1.0))))
         measured = peak_bytes(run, flat_args, flat_dims, chunk)
         for _ in range(_REFINE):
-            if measured <= limit or chunk == 1:
+            if total(chunk, measured) <= limit or chunk == 1:
                 break
-            chunk = max(1, min(chunk - 1, int(chunk * limit / measured)))
+            chunk = max(1, min(chunk - 1, int(chunk * limit / total(chunk, measured))))
             measured = peak_bytes(run, flat_args, flat_dims, chunk)
-        why = ("measured" if measured <= limit else
-               "measured; even one example exceeds the budget")
-        return _record(ChunkChoice(chunk_size=chunk, chunk_peak_bytes=measured, reason=why,
+        estimate = max(total(chunk, measured), 2 * results)
+        why = "measured" if estimate <= limit else (
+            "measured; the results alone, held twice while the chunks are concatenated, "
+            "exceed the budget" if 2 * results > limit else
+            "measured; even one example exceeds the budget")
+        return _record(ChunkChoice(chunk_size=chunk, chunk_peak_bytes=measured,
+                                   estimated_peak_bytes=int(estimate), reason=why,
                                    **info)).chunk_size
     except Exception as e:       # any failure of the fake trace: run unchunked, say why
         return _record(ChunkChoice(chunk_size=None, reason=f"fallback: the fake trace failed "

@@ -97,7 +97,9 @@ def test_chunk_shrinks_with_the_budget_and_its_measured_peak_fits():
         assert choice is chunking.last_choice() and choice.budget == limit
         assert choice.peak_bytes > 0 and not choice.fell_back
         if choice.chunk_size is not None:
-            assert choice.chunk_peak_bytes <= limit or choice.chunk_size == 1
+            assert choice.chunk_peak_bytes <= choice.estimated_peak_bytes
+            assert choice.estimated_peak_bytes <= limit or choice.chunk_size == 1 or \
+                2 * choice.result_bytes > limit
             assert choice.per_example_bytes > 0
         chunks.append(choice.chunk_size or 64)
     assert chunks[0] == 64 and chunks == sorted(chunks, reverse=True) and chunks[-1] < chunks[1]
