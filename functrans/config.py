@@ -26,7 +26,7 @@ import contextlib
 import sys
 import threading
 import types
-from typing import Any, ContextManager, Iterator, Union
+from typing import Any, ContextManager, Iterator, Union, cast
 
 from .errors import TransformArgumentError
 
@@ -124,8 +124,8 @@ def _check_limit(limit: Any, name: str) -> Union[int, float, None]:
 
 def memory_limit_setting() -> Union[int, float, None]:
     """The limit in effect in this thread: a ``max_memory()`` block's, else ``memory_limit``."""
-    block = getattr(_state, "max_memory", _UNSET)
-    return _memory_limit if block is _UNSET else block
+    block: Any = getattr(_state, "max_memory", _UNSET)
+    return _memory_limit if block is _UNSET else cast(Union[int, float, None], block)
 
 
 @contextlib.contextmanager

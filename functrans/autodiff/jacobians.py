@@ -14,7 +14,7 @@ vjp and jvp), compiler.dynamo_entry (the route inside torch.compile).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Tuple, Union
+from typing import Any, Callable, Dict, List, Literal, Tuple, Union
 
 import torch
 
@@ -73,7 +73,7 @@ def _nest(blocks: List[List[torch.Tensor]], out_spec: Any, in_structure: Tuple[A
 
 
 def jacrev(func: Callable[..., Any], argnums: Argnums = 0, *, has_aux: bool = False,
-           chunk_size: Union[int, str, None] = None) -> Callable[..., Any]:
+           chunk_size: Union[int, Literal["auto"], None] = None) -> Callable[..., Any]:
     """The Jacobian of ``func`` w.r.t. ``args[argnums]`` by reverse mode (``vmap`` over
     ``vjp``): one backward pass per output element, batched.
 
@@ -134,7 +134,7 @@ def jacrev(func: Callable[..., Any], argnums: Argnums = 0, *, has_aux: bool = Fa
 
 
 def _jacrev(func: Callable[..., Any], argnums: Argnums, has_aux: bool,
-            chunk_size: Union[int, str, None], api: str) -> Callable[..., Any]:
+            chunk_size: Union[int, Literal["auto"], None], api: str) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -173,7 +173,8 @@ def _jacrev(func: Callable[..., Any], argnums: Argnums, has_aux: bool,
 
 
 def jacfwd(func: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False, *,
-           randomness: str = "error", chunk_size: Union[int, str, None] = None) -> Callable[..., Any]:
+           randomness: str = "error",
+           chunk_size: Union[int, Literal["auto"], None] = None) -> Callable[..., Any]:
     """The Jacobian of ``func`` w.r.t. ``args[argnums]`` by forward mode (``vmap`` over
     ``jvp``): one Jacobian-vector product per input element, batched.
 
@@ -228,7 +229,7 @@ def jacfwd(func: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False
 
 
 def _jacfwd(func: Callable[..., Any], argnums: Argnums, has_aux: bool, randomness: str,
-            chunk_size: Union[int, str, None], api: str) -> Callable[..., Any]:
+            chunk_size: Union[int, Literal["auto"], None], api: str) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -268,7 +269,7 @@ def _jacfwd(func: Callable[..., Any], argnums: Argnums, has_aux: bool, randomnes
 
 
 def hessian(func: Callable[..., Any], argnums: Argnums = 0, *, has_aux: bool = False,
-            chunk_size: Union[int, str, None] = None) -> Callable[..., Any]:
+            chunk_size: Union[int, Literal["auto"], None] = None) -> Callable[..., Any]:
     """The Hessian of ``func`` w.r.t. ``args[argnums]``: ``jacfwd(jacrev(func))``
     (forward-over-reverse).
 

@@ -17,7 +17,7 @@ compiler.dynamo_entry (the route inside torch.compile).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -40,7 +40,7 @@ _BatchedTensor: Any = BatchedTensor
 
 
 def vmap(func: Callable[..., Any], in_dims: Any = 0, out_dims: Any = 0, randomness: str = "error",
-         *, chunk_size: Union[int, str, None] = None) -> Callable[..., Any]:
+         *, chunk_size: Union[int, Literal["auto"], None] = None) -> Callable[..., Any]:
     """Vectorize ``func`` over a batch dimension of its inputs.
 
     Write ``func`` for ONE example; ``vmap(func)`` runs it on a batch, as if by a loop over the
@@ -171,8 +171,8 @@ def _check_forward_ad(api: str) -> None:
 
 
 def _vmap_call(func: Callable[..., Any], in_dims: Any, out_dims: Any, randomness: str,
-               chunk_size: Union[int, str, None], args: Tuple[Any, ...], kwargs: Dict[str, Any]
-               ) -> Any:
+               chunk_size: Union[int, Literal["auto"], None], args: Tuple[Any, ...],
+               kwargs: Dict[str, Any]) -> Any:
     api = _api_name(func, in_dims, out_dims)
     _check_forward_ad(api)
     flat_args, args_spec = tree_flatten(args)
@@ -224,22 +224,25 @@ def _vmap_call(func: Callable[..., Any], in_dims: Any, out_dims: Any, randomness
             f"{api}: mapped inputs disagree on batch size:\n{detail}\nAll mapped dims must "
             "have the same size; use in_dim None for an input shared by every example.")
 
-    if chunk_size == "auto":
+    chunk: Optional[int]
+    if isinstance(chunk_size, str):     # "auto" (checked by vmap())
         def probe(probe_args: List[Any], size: int) -> Any:
             return _run(func, probe_args, flat_dims, args_spec, kwargs, out_dims, size,
                         randomness, api)
         outer = [lv for lv in _levels.stack() if isinstance(lv, _levels.VmapLevel)]
-        chunk_size = chunking.choose(
+        chunk = chunking.choose(
             api, probe, flat_args, flat_dims, batch_size,
             unmeasurable=f"inside another vmap (level {outer[-1].id}), whose ops a fake trace "
             "cannot see" if outer else None)
+    else:
+        chunk = chunk_size
     try:
-        if chunk_size is None or chunk_size >= batch_size:
+        if chunk is None or chunk >= batch_size:
             flat_out, out_spec = _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims,
                                       batch_size, randomness, api)
             return tree_unflatten(flat_out, out_spec)
         return _run_chunked(func, flat_args, flat_dims, args_spec, kwargs, out_dims,
-                            batch_size, randomness, chunk_size, api)
+                            batch_size, randomness, chunk, api)
     except RuntimeError as e:
         if _RAW_DATA_READ in str(e) and not isinstance(e, UnsupportedUnderVmap):
             raise _raw_data_error(api) from None

@@ -37,9 +37,9 @@ the line fits in the budget together with the earlier chunks' results (measured 
 still live when the whole-batch probe returns), and that chunk probed again (shrunk in
 proportion while it overshoots, at most ``_REFINE`` times; 1 at the least).  The results of
 all chunks and their concatenation (twice the results) are the floor of any chunked run: a
-budget below it still gets the chunk above, with the reason saying so.  Each probe calls the function once
-more, on fake tensors: its Python side effects happen again (its tensors' values are not
-touched, and the CPU and CUDA random states are restored afterwards).
+budget below it still gets the chunk above, with the reason saying so.  Each probe calls the
+function once more, on fake tensors: its Python side effects happen again (its tensors' values
+are not touched, and the CPU and CUDA random states are restored afterwards).
 
 A nested ``chunk_size="auto"`` met inside a probe runs unchunked: that over-estimates the outer
 chunk's memory (chunking only lowers it), so the outer choice stays within the budget.  A vmap
@@ -71,6 +71,7 @@ from torch.utils._pytree import tree_flatten
 from .. import config
 
 _REFINE = 4
+_is_alias_of: Callable[[torch.Tensor, torch.Tensor], bool] = getattr(torch._C, "_is_alias_of")
 _CPU_UNKNOWN = 4 * 2 ** 30
 _tls = threading.local()
 
@@ -140,7 +141,8 @@ def recording() -> Iterator[List[ChunkChoice]]:
 def _records() -> List[List[ChunkChoice]]:
     if not hasattr(_tls, "records"):
         _tls.records = []
-    return _tls.records
+    records: List[List[ChunkChoice]] = _tls.records
+    return records
 
 
 def _record(choice: ChunkChoice) -> ChunkChoice:
@@ -185,7 +187,7 @@ def budget(device: torch.device) -> int:
     return max(1, int(fraction * free_memory(device)))
 
 
-class _LiveBytes(FakeTensorMode):
+class _LiveBytes(FakeTensorMode):  # type: ignore[no-untyped-call]
     """A fake mode that also counts the bytes of the live storages its ops create (Note [how
     chunk_size="auto" measures])."""
 
@@ -216,7 +218,7 @@ class _LiveBytes(FakeTensorMode):
         for o in outs:
             if id(o) in self.records:       # an in-place op's result: already held
                 continue
-            source = next((a for a in ins if torch._C._is_alias_of(o, a)), None)
+            source = next((a for a in ins if _is_alias_of(o, a)), None)
             if source is None:
                 record = [o.untyped_storage().nbytes(), 0]
                 self.live += record[0]
@@ -229,7 +231,8 @@ class _LiveBytes(FakeTensorMode):
 
 def _rng_state() -> Any:
     cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    cuda = torch.cuda.get_rng_state_all() if initialized else None
     return cpu, cuda
 
 

@@ -11,7 +11,7 @@ Imports: errors, stateless, batching.api.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -141,7 +141,7 @@ class Ensemble:
     """
 
     def __init__(self, models: Sequence[nn.Module], *, randomness: str = "error",
-                 chunk_size: Union[int, str, None] = None):
+                 chunk_size: Union[int, Literal["auto"], None] = None):
         self.params, self.buffers = stack_module_state(models)
         self.size = len(models)
         self.randomness = randomness
