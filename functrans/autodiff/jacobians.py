@@ -20,7 +20,7 @@ import torch
 
 from .._pytree import tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError, check_chunk_size, transform_call
-from ..batching.api import check_randomness, vmap
+from ..batching.api import check_randomness, vmap_in
 from ..compiler import dynamo_entry
 from ._differentiable import Argnums, normalize_argnums, replace_argnums, select_argnums
 from .jvp import jvp_impl
@@ -135,6 +135,7 @@ def jacrev(func: Callable[..., Any], argnums: Argnums = 0, *, has_aux: bool = Fa
 
 def _jacrev(func: Callable[..., Any], argnums: Argnums, has_aux: bool,
             chunk_size: Union[int, Literal["auto"], None], api: str) -> Callable[..., Any]:
+    auto_cache: Dict[Any, Any] = {}     # chunk_size="auto": the choices, by call signature
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -154,8 +155,9 @@ def _jacrev(func: Callable[..., Any], argnums: Argnums, has_aux: bool,
             grads = vjp_fn(tree_unflatten([b[0] for b in basis], out_spec))
             flat_grads = [g.unsqueeze(0) for g in tree_flatten(grads)[0]]
         elif basis and basis[0].shape[0] > 0:
-            grads = vmap(lambda *ct: vjp_fn(tree_unflatten(list(ct), out_spec)),
-                         chunk_size=chunk_size)(*basis)
+            grads = vmap_in(auto_cache, (args, kwargs),
+                            lambda *ct: vjp_fn(tree_unflatten(list(ct), out_spec)),
+                            chunk_size=chunk_size)(*basis)
             flat_grads = tree_flatten(grads)[0]
         else:
             flat_grads = [x.new_zeros((0, *x.shape)) for x in flat_in]
@@ -230,6 +232,7 @@ def jacfwd(func: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False
 
 def _jacfwd(func: Callable[..., Any], argnums: Argnums, has_aux: bool, randomness: str,
             chunk_size: Union[int, Literal["auto"], None], api: str) -> Callable[..., Any]:
+    auto_cache: Dict[Any, Any] = {}     # chunk_size="auto": the choices, by call signature
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -246,10 +249,11 @@ def _jacfwd(func: Callable[..., Any], argnums: Argnums, has_aux: bool, randomnes
             return (res[1], res[2]) if has_aux else res[1]
 
         if has_aux:
-            tangents_out, aux = vmap(push, out_dims=(0, None), randomness=randomness,
-                                     chunk_size=chunk_size)(*basis)
+            tangents_out, aux = vmap_in(auto_cache, (args, kwargs), push, out_dims=(0, None),
+                                        randomness=randomness, chunk_size=chunk_size)(*basis)
         else:
-            tangents_out = vmap(push, randomness=randomness, chunk_size=chunk_size)(*basis)
+            tangents_out = vmap_in(auto_cache, (args, kwargs), push, randomness=randomness,
+                                   chunk_size=chunk_size)(*basis)
         flat_t, out_spec = tree_flatten(tangents_out)
         blocks = []
         for t in flat_t:

@@ -9,7 +9,8 @@ dispatcher records the rules' physical ops (see Note [autograd on physical value
 dispatch.py).
 
 ``chunk_size="auto"`` asks ``chunking.choose()`` for the chunk, giving it this module's batched
-call to probe on fake tensors.
+call to probe on fake tensors, and the vmap's cache of earlier choices (``vmap_in()``: a cache
+that a transform built on vmap keeps across its calls).
 
 Imports: _levels, _pytree, errors, functionalization, chunking, batched_tensor, helpers, mode,
 compiler.dynamo_entry (the route inside torch.compile).
@@ -95,14 +96,33 @@ def vmap(func: Callable[..., Any], in_dims: Any = 0, out_dims: Any = 0, randomne
     _check_dims_spec(in_dims, "in_dims", api)
     _check_dims_spec(out_dims, "out_dims", api)
 
+    auto_cache: Dict[Any, Any] = {}     # chunk_size="auto": the choices, by call signature
+
     @functools.wraps(func)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if dynamo_entry.active():  # inside torch.compile
             return dynamo_entry.call_transform(vmap, (func, in_dims, out_dims, randomness),
                                                {"chunk_size": chunk_size}, args, kwargs)
-        return _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs)
+        return _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs,
+                          auto_cache)
 
     return wrapped
+
+
+def vmap_in(auto_cache: Dict[Any, Any], auto_key: Any, func: Callable[..., Any],
+            out_dims: Any = 0, randomness: str = "error",
+            chunk_size: Union[int, Literal["auto"], None] = None) -> Callable[..., Any]:
+    """``vmap(func, 0, out_dims, randomness, chunk_size=chunk_size)`` for a transform built on
+    vmap (jacrev, jacfwd) that makes a new ``func`` on every call: ``chunk_size="auto"``'s
+    choices are kept in the transform's own ``auto_cache``, under ``auto_key`` (what the
+    transform's call depends on beyond ``func``'s arguments) and the call's signature."""
+    if dynamo_entry.active():  # inside torch.compile: as vmap's own route
+        return vmap(func, 0, out_dims, randomness, chunk_size=chunk_size)
+
+    def call(*args: Any) -> Any:
+        return _vmap_call(func, 0, out_dims, randomness, chunk_size, args, {}, auto_cache,
+                          auto_key)
+    return call
 
 
 def _is_dim_leaf(x: Any) -> bool:
@@ -172,7 +192,8 @@ def _check_forward_ad(api: str) -> None:
 
 def _vmap_call(func: Callable[..., Any], in_dims: Any, out_dims: Any, randomness: str,
                chunk_size: Union[int, Literal["auto"], None], args: Tuple[Any, ...],
-               kwargs: Dict[str, Any]) -> Any:
+               kwargs: Dict[str, Any], auto_cache: Optional[Dict[Any, Any]] = None,
+               auto_key: Any = ()) -> Any:
     api = _api_name(func, in_dims, out_dims)
     _check_forward_ad(api)
     flat_args, args_spec = tree_flatten(args)
@@ -233,7 +254,8 @@ def _vmap_call(func: Callable[..., Any], in_dims: Any, out_dims: Any, randomness
         chunk = chunking.choose(
             api, probe, flat_args, flat_dims, batch_size,
             unmeasurable=f"inside another vmap (level {outer[-1].id}), whose ops a fake trace "
-            "cannot see" if outer else None)
+            "cannot see" if outer else None, cache=auto_cache,
+            key=chunking.signature((auto_key, flat_args, flat_dims, kwargs)))
     else:
         chunk = chunk_size
     try:

@@ -59,6 +59,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import math
 import threading
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -71,6 +73,8 @@ from torch.utils._pytree import tree_flatten
 from .. import config
 
 _REFINE = 4
+_CACHE_SIZE = 64
+_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 _is_alias_of: Callable[[torch.Tensor, torch.Tensor], bool] = getattr(torch._C, "_is_alias_of")
 _CPU_UNKNOWN = 4 * 2 ** 30
 _tls = threading.local()
@@ -250,6 +254,8 @@ def measure(run: Callable[[List[Any], int], Any], flat_args: Sequence[Any],
     mode = _LiveBytes()
     old = probing()
     _tls.probing = True
+    quiet = _FAKE_LOG.disabled
+    _FAKE_LOG.disabled = True    # a failing meta kernel is logged there; the probe says why
     try:
         narrowed = [a.narrow(d, 0, size) if d is not None and isinstance(a, torch.Tensor) else a
                     for a, d in zip(flat_args, flat_dims)]
@@ -265,9 +271,29 @@ def measure(run: Callable[[List[Any], int], Any], flat_args: Sequence[Any],
         return mode.peak, held
     finally:
         _tls.probing = old
+        _FAKE_LOG.disabled = quiet
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+def signature(tree: Any) -> Tuple[Any, ...]:
+    """A hashable key for a call's arguments: per leaf, a tensor's type, shape, dtype, device
+    and requires_grad (not its values), another leaf's type and value (its id if unhashable),
+    with the grad mode."""
+    leaves, spec = tree_flatten(tree)
+    key: List[Any] = [str(spec), torch.is_grad_enabled()]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            key.append((type(leaf).__name__, tuple(leaf.shape), leaf.dtype, str(leaf.device),
+                        leaf.requires_grad))
+        else:
+            try:
+                hash(leaf)
+                key.append((type(leaf).__name__, leaf))
+            except TypeError:
+                key.append((type(leaf).__name__, id(leaf)))
+    return tuple(key)
 
 
 def _device(flat_args: Sequence[Any], flat_dims: Sequence[Optional[int]]) -> torch.device:
@@ -284,25 +310,48 @@ def _why(e: BaseException) -> str:
 
 def choose(api: str, run: Callable[[List[Any], int], Any], flat_args: Sequence[Any],
            flat_dims: Sequence[Optional[int]], batch_size: int,
-           unmeasurable: Optional[str] = None) -> Optional[int]:
+           unmeasurable: Optional[str] = None, cache: Optional[Dict[Any, Any]] = None,
+           key: Any = None) -> Optional[int]:
     """The chunk for ``chunk_size="auto"``: ``None`` (the whole batch) or the most examples
     whose measured peak fits ``budget()``.  ``run(args, size)`` runs one batched call of
     ``size`` examples on ``args`` (the flat arguments); ``unmeasurable`` says why the call
-    cannot be probed (then it runs unchunked).  Records a ``ChunkChoice``."""
+    cannot be probed (then it runs unchunked).  Records a ``ChunkChoice``.
+
+    With a ``cache`` (a vmap's, or a jacrev's), a choice is kept under ``key`` (the call's
+    ``signature()``) and the budget, to within 1/8 of a power of two: a later call with the same
+    signature and budget takes it without probing (its ``reason`` ends in ``(cached)``).  A
+    stale entry (the function closes over a tensor that changed shape) can only make the chunk
+    fit worse, never change a result."""
     if probing():
         return None        # a nested "auto" inside a probe: unchunked (an over-estimate)
     limit = budget(_device(flat_args, flat_dims))
+    if cache is not None:
+        slot = (key, round(math.log2(max(limit, 1)) * 8))
+        hit = cache.get(slot)
+        if hit is not None:
+            return _record(dataclasses.replace(hit, reason=hit.reason + " (cached)")).chunk_size
+        choice = _choose(api, run, flat_args, flat_dims, batch_size, unmeasurable, limit)
+        if len(cache) >= _CACHE_SIZE:
+            cache.pop(next(iter(cache)))
+        cache[slot] = choice
+        return choice.chunk_size
+    return _choose(api, run, flat_args, flat_dims, batch_size, unmeasurable, limit).chunk_size
+
+
+def _choose(api: str, run: Callable[[List[Any], int], Any], flat_args: Sequence[Any],
+            flat_dims: Sequence[Optional[int]], batch_size: int, unmeasurable: Optional[str],
+            limit: int) -> ChunkChoice:
     info: Any = dict(api=api, batch_size=batch_size, budget=limit)
     if unmeasurable:
         return _record(ChunkChoice(chunk_size=None, reason=f"fallback: {unmeasurable}; the "
-                                   "batch runs unchunked", **info)).chunk_size
+                                   "batch runs unchunked", **info))
     try:
         whole, results = measure(run, flat_args, flat_dims, batch_size)
         info.update(peak_bytes=whole, result_bytes=results)
         if whole <= limit or batch_size == 1:
             why = "the whole batch fits" if whole <= limit else "one example"
             return _record(ChunkChoice(chunk_size=None, reason=why, estimated_peak_bytes=whole,
-                                       **info)).chunk_size
+                                       **info))
         one = peak_bytes(run, flat_args, flat_dims, 1)
         per = max((whole - one) / (batch_size - 1), 1.0)
         fixed = max(one - per, 0.0)
@@ -328,7 +377,7 @@ def choose(api: str, run: Callable[[List[Any], int], Any], flat_args: Sequence[A
             "measured; even one example exceeds the budget")
         return _record(ChunkChoice(chunk_size=chunk, chunk_peak_bytes=measured,
                                    estimated_peak_bytes=int(estimate), reason=why,
-                                   **info)).chunk_size
+                                   **info))
     except Exception as e:       # any failure of the fake trace: run unchunked, say why
         return _record(ChunkChoice(chunk_size=None, reason=f"fallback: the fake trace failed "
-                                   f"({_why(e)}); the batch runs unchunked", **info)).chunk_size
+                                   f"({_why(e)}); the batch runs unchunked", **info))

@@ -105,6 +105,31 @@ def test_chunk_shrinks_with_the_budget_and_its_measured_peak_fits():
     assert chunks[0] == 64 and chunks == sorted(chunks, reverse=True) and chunks[-1] < chunks[1]
 
 
+def test_choices_are_cached_per_call_signature(monkeypatch):
+    """A second call with the same shapes and budget takes the first call's chunk without
+    probing; another budget or another shape probes again (vmap's cache and jacrev's)."""
+    calls = []
+    measure = chunking.measure
+    monkeypatch.setattr(chunking, "measure", lambda *a: calls.append(a[-1]) or measure(*a))
+    xs = torch.randn(32, 16)
+    vg, jg = ft.vmap(f, chunk_size="auto"), ft.jacrev(f, chunk_size="auto")
+    for fn, arg in ((vg, xs), (jg, xs[0])):
+        with config.max_memory(2048):
+            want = fn(arg)
+            first = chunking.last_choice()
+            calls.clear()
+            assert_same(fn(arg), want)
+            again = chunking.last_choice()
+        assert again.reason == first.reason + " (cached)" and again.chunk_size == first.chunk_size
+        assert first.chunk_size is not None and len(calls) == 0      # no probe
+        with config.max_memory(2 ** 30):
+            fn(arg)
+        assert not chunking.last_choice().reason.endswith("(cached)")
+    with config.max_memory(2048):
+        vg(xs[:20])
+    assert not chunking.last_choice().reason.endswith("(cached)")
+
+
 def test_the_count_follows_live_tensors():
     """Peaks that are known exactly: a float32 (n, 100) temporary freed before the next one is
     made counts once; two alive together count twice; a view counts nothing more."""
