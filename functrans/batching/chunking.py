@@ -62,6 +62,7 @@ import dataclasses
 import logging
 import math
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -259,8 +260,10 @@ def measure(run: Callable[[List[Any], int], Any], flat_args: Sequence[Any],
     try:
         narrowed = [a.narrow(d, 0, size) if d is not None and isinstance(a, torch.Tensor) else a
                     for a, d in zip(flat_args, flat_dims)]
-        # under functrans.compile's make_fx the probe is not part of the trace
-        with disable_proxy_modes_tracing(), mode:
+        # under functrans.compile's make_fx the probe is not part of the trace; the guards'
+        # storage checks read fake storages' data pointers, which torch warns about
+        with disable_proxy_modes_tracing(), warnings.catch_warnings(), mode:
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             # plain tensors become fake; a subclass (an outer vmap's BatchedTensor) stays, and
             # its physical ops meet the fake mode
             fake = [mode.from_tensor(a) if type(a) in (torch.Tensor, torch.nn.Parameter) else a
@@ -332,7 +335,10 @@ def choose(api: str, run: Callable[[List[Any], int], Any], flat_args: Sequence[A
             return _record(dataclasses.replace(hit, reason=hit.reason + " (cached)")).chunk_size
         choice = _choose(api, run, flat_args, flat_dims, batch_size, unmeasurable, limit)
         if len(cache) >= _CACHE_SIZE:
-            cache.pop(next(iter(cache)))
+            try:                    # the oldest entry (another thread may change the dict)
+                cache.pop(next(iter(cache)), None)
+            except (StopIteration, RuntimeError):
+                pass
         cache[slot] = choice
         return choice.chunk_size
     return _choose(api, run, flat_args, flat_dims, batch_size, unmeasurable, limit).chunk_size
