@@ -10,6 +10,8 @@ What this module owns
   unused; CPU: ``MemAvailable`` in ``/proc/meminfo``, else ``psutil``, else 4 GiB).
 - ``last_choice()`` and ``recording()``: the decisions, inspectable (the chunk, the measured
   bytes per example, or why the measurement failed).
+- ``signature()``: the key under which a vmap (or a jacrev / jacfwd) caches its choices, so
+  that a repeated call with the same shapes and budget does not probe again.
 
 Note [how chunk_size="auto" measures]
 The batched call is run on fake tensors (``FakeTensorMode``: shapes, dtypes and devices, no
