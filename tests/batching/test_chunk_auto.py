@@ -30,7 +30,7 @@ def assert_same(got, want):
 @pytest.mark.parametrize("limit", [2048, 2 ** 30])
 def test_vmap_jacrev_jacfwd_hessian_equal_unchunked_and_fixed(limit):
     x, xs = torch.randn(16), torch.randn(20, 16)
-    with config.max_memory(limit):
+    with config.max_memory(limit), chunking.recording() as seen:
         assert_same(ft.vmap(f, chunk_size="auto")(xs), ft.vmap(f)(xs))
         assert_same(ft.vmap(f, chunk_size="auto")(xs), ft.vmap(f, chunk_size=3)(xs))
         assert_same(ft.jacrev(f, chunk_size="auto")(x), ft.jacrev(f)(x))
@@ -38,6 +38,10 @@ def test_vmap_jacrev_jacfwd_hessian_equal_unchunked_and_fixed(limit):
         assert_same(ft.jacfwd(f, chunk_size="auto")(x), ft.jacfwd(f, chunk_size=7)(x))
         assert_same(ft.hessian(loss, chunk_size="auto")(x), ft.hessian(loss)(x))
         assert_same(ft.hessian(loss, chunk_size="auto")(x), ft.hessian(loss, chunk_size=4)(x))
+    chunked = {c.api.split("(")[0] + str(c.batch_size) for c in seen if c.chunk_size}
+    # 2 KB: vmap's 20 examples, jacrev's and jacfwd's 16 basis vectors run in chunks
+    assert chunked == ({"vmap20", "vmap16"} if limit == 2048 else set())
+    assert not any(c.fell_back and "another vmap" not in c.reason for c in seen)
 
 
 def test_nested_auto_equals_unchunked():
@@ -63,6 +67,7 @@ def test_grad_through_auto_chunks():
     x = torch.randn(16)
     with config.max_memory(2048):
         got = ft.grad(lambda x: ft.jacrev(f, chunk_size="auto")(x).sum())(x)
+    assert chunking.last_choice().chunk_size is not None
     assert_same(got, ft.grad(lambda x: ft.jacrev(f)(x).sum())(x))
 
 
