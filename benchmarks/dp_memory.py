@@ -23,7 +23,8 @@ live tensors instead of keeping freed heap pages).  After one warm-up step (lazy
 allocations: caches, Opacus's hooks) the gradients are dropped, ``malloc_trim(0)`` runs, the
 resident set is read (``/proc/self/statm``: model, batch, Python, torch) and its high-water mark
 is reset (``/proc/self/clear_refs`` 5); one step runs, and the peak above the model is the new
-high-water mark (``VmHWM`` in ``/proc/self/status``) minus the resident set before it.  So a
+high-water mark (``VmHWM`` in ``/proc/self/status``) minus the resident set before it
+(benchmarks/peak_memory.py, shared with benchmarks/chunk_memory.py).  So a
 method's returned gradients count (12.5 MB here), as do its activations and temporaries.
 (``tracemalloc`` does not see torch's CPU allocations and torch keeps no CPU allocator
 statistics; this reads what the kernel charges the process.)  Time: every method in one
@@ -39,13 +40,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
-import gc
 import importlib.util
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable, Dict, List
@@ -53,6 +50,8 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import peak_memory
 
 METHODS = ("backward", "materialize", "ghost", "opacus ghost")
 WIDTHS = (512, 1024, 1024, 1024, 10)
@@ -98,19 +97,6 @@ def _step(method: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Ca
     return step
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def _problem(batch: int):
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -119,21 +105,14 @@ def _problem(batch: int):
 
 
 def peak_here(method: str, batch: int) -> Dict[str, float]:
-    """The peak memory above the model of one ``method`` step, in this process."""
+    """The peak memory above the model of one ``method`` step, in this process (after one
+    warm-up step and dropping its gradients; ``peak_memory.peak_above``)."""
     model, x, y = _problem(batch)
     step = _step(method, model, x, y)
     out = step()                                        # warm-up
     del out
     model.zero_grad(set_to_none=True)
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    before = _rss()
-    with open("/proc/self/clear_refs", "w") as fh:     # reset the high-water mark
-        fh.write("5")
-    out = step()
-    peak = _hwm() - before
-    del out
-    return {"peak_mb": peak / 2 ** 20}
+    return {"peak_mb": peak_memory.peak_above(step)["peak_mb"]}
 
 
 def times_here(methods: List[str], batch: int, repeats: int, budget: float
@@ -159,14 +138,7 @@ def times_here(methods: List[str], batch: int, repeats: int, budget: float
 
 def _child(args: List[str]) -> dict:
     """``python -m benchmarks.dp_memory --child ...`` in a fresh process: its JSON answer."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.dp_memory", "--child", *args],
-                          cwd=root, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return peak_memory.run_child("benchmarks.dp_memory", ["--child", *args])
 
 
 def _opacus_missing() -> bool:

@@ -28,6 +28,14 @@ first calls (trace or compile, plus the first replay) are reported per row, afte
 per process (importing dynamo, the first make_fx, inductor's first compile) reported apart.
 ``--no-anchor`` skips the subprocess column, ``--backends replay`` the inductor one.
 
+Peak memory (``--memory``, opt-in: a subprocess per cell, about 3-5 s each): for each row, the
+implementations of ``--memory-impls`` (default: functrans, torch.func and the replay-compiled
+functrans callable) each run in a fresh process (benchmarks/cell_memory.py, with
+benchmarks/peak_memory.py's ``MALLOC_MMAP_THRESHOLD_=65536``): two warm-up calls, then one call
+whose peak above the resident set before it is read from ``VmHWM`` (reset before the call; on
+CUDA ``max_memory_allocated``).  The table then has a ``peak MB`` column per implementation
+and the ratio functrans / torch.func.
+
 A row that needs an optional package that is missing (the Opacus rows, benchmarks/opacus_rows.py)
 is printed as SKIPPED with the reason and how to install it; it neither fails nor counts as
 checked.  Rows without a Python loop (the Opacus rows) show "–" in the loop columns, and rows
@@ -47,18 +55,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.utils._pytree as pytree
 
 import functrans as ft
 
+from . import peak_memory
 from .workloads import (ANCHOR, COMPILED, FIRST_CALL_S, INDUCTOR_VS_ANCHOR, TIERED_FIRST_CALL_S,
                         TIERED_VS_ANCHOR_FIRST, WORKLOADS, Row,
                         Workload)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+MEMORY_IMPLS = ("functrans", "torch.func", "ft.compile replay")
 
 
 def _sync(device: torch.device) -> None:
@@ -225,6 +235,13 @@ def _compiled_targets(w: Workload, r: dict) -> List[tuple]:
     return out
 
 
+def run_memory(w: Workload, device, impl: str, timeout: float = 600.0) -> dict:
+    """One peak-memory cell: ``impl`` of ``w`` in its own process (benchmarks/cell_memory.py):
+    ``{"peak_mb"}`` or ``{"error"}``."""
+    return peak_memory.run_child("benchmarks.cell_memory", [w.id, impl, "--device", str(device)],
+                                 timeout=timeout)
+
+
 def skip_reason(w: Workload) -> Optional[str]:
     """Why ``w`` cannot run here (an optional package it needs is missing), or None."""
     if w.requires is None or importlib.util.find_spec(w.requires) is not None:
@@ -237,7 +254,7 @@ def skip_reason(w: Workload) -> Optional[str]:
 
 def run_workload(w: Workload, device, rounds: int, min_time: float,
                  backends=tuple(COMPILED.values()), anchor: bool = True,
-                 anchor_timeout: float = 600.0) -> dict:
+                 anchor_timeout: float = 600.0, memory: Tuple[str, ...] = ()) -> dict:
     result = {"workload": w.name, "size": w.size, "tier": w.tier, "times": {}, "error": None,
               "target": w.gpu_target if device.type == "cuda" else w.cpu_target,
               "compiled": {}, "skipped": skip_reason(w), "compiles": w.compiled}
@@ -263,6 +280,10 @@ def run_workload(w: Workload, device, rounds: int, min_time: float,
             col["time"], col["ratio"] = t[name], t[name] / t["torch.func"]
     if anchor:
         result["anchor"] = run_anchor(w, device, rounds, min_time, anchor_timeout)
+    if memory:
+        result["memory"] = {impl: run_memory(w, device, impl, anchor_timeout)
+                            for impl in memory if impl in row.impls
+                            or w.compiled and (impl in COMPILED or impl == ANCHOR)}
     if device.type == "cpu":
         result["compiled_targets"] = _compiled_targets(w, result)
     t = result["times"]
@@ -346,22 +367,50 @@ def format_compiled_table(results: List[dict], markdown: bool) -> str:
     return _render(head, rows, markdown)
 
 
+def _memory_impls(results: List[dict]) -> List[str]:
+    """The implementations with a peak-memory cell in any row, in the order measured."""
+    seen: List[str] = []
+    for r in results:
+        seen += [impl for impl in r.get("memory", {}) if impl not in seen]
+    return seen
+
+
+def _peak_cell(cell: Optional[dict]) -> str:
+    if cell is None:
+        return "–"
+    if "error" in cell:
+        return "FAILED: " + cell["error"]
+    mb = cell["peak_mb"]
+    return f"{mb:.2f}" if mb < 10 else f"{mb:,.0f}"
+
+
 def format_table(results: List[dict], markdown: bool) -> str:
     head = ["workload", "size", "functrans ms", "torch.func ms", "loop ms", "closed form ms",
             "ft / torch.func", "loop / ft", "ft / closed", "target (ft / torch.func)"]
+    mem = _memory_impls(results)
+    if mem:
+        head += [f"{impl} peak MB" for impl in mem] + ["peak ft / torch.func"]
+    pad = len(head) - 3
     rows = []
     for r in results:
         if r.get("skipped"):
-            rows.append([r["workload"], r["size"], "SKIPPED: " + r["skipped"]] + [""] * 7)
+            rows.append([r["workload"], r["size"], "SKIPPED: " + r["skipped"]] + [""] * pad)
             continue
         if r["error"]:
-            rows.append([r["workload"], r["size"], "FAILED: " + r["error"]] + [""] * 7)
+            rows.append([r["workload"], r["size"], "FAILED: " + r["error"]] + [""] * pad)
             continue
         t = r["times"]
-        rows.append([r["workload"], r["size"], _ms(t["functrans"]), _ms(t["torch.func"]),
-                     _ms(t.get("loop")), _ms(t.get("closed form")), f"{r['ft/torch.func']:.2f}",
-                     f"{r['loop/ft']:.1f}×" if "loop/ft" in r else "–",
-                     f"{r['ft/closed form']:.2f}" if "ft/closed form" in r else "–", _target(r)])
+        row = [r["workload"], r["size"], _ms(t["functrans"]), _ms(t["torch.func"]),
+               _ms(t.get("loop")), _ms(t.get("closed form")), f"{r['ft/torch.func']:.2f}",
+               f"{r['loop/ft']:.1f}×" if "loop/ft" in r else "–",
+               f"{r['ft/closed form']:.2f}" if "ft/closed form" in r else "–", _target(r)]
+        if mem:
+            cells = r.get("memory", {})
+            row += [_peak_cell(cells.get(impl)) for impl in mem]
+            ft_, tf = cells.get("functrans", {}), cells.get("torch.func", {})
+            row.append(f"{ft_['peak_mb'] / tf['peak_mb']:.2f}"
+                       if tf.get("peak_mb", 0) > 0 and "peak_mb" in ft_ else "–")
+        rows.append(row)
     ok = [row for row in rows if not row[2].startswith(("FAILED", "SKIPPED"))]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -411,7 +460,12 @@ def main(argv=None) -> int:
                     help="skip the torch.compile(torch.func) column (a subprocess per row)")
     ap.add_argument("--anchor-timeout", type=float, default=600.0,
                     help="seconds one row's torch.compile subprocess may take")
+    ap.add_argument("--memory", action="store_true",
+                    help="add peak-memory columns (a subprocess per cell: slower)")
+    ap.add_argument("--memory-impls", default=",".join(MEMORY_IMPLS),
+                    help="implementations measured by --memory (comma-separated)")
     args = ap.parse_args(argv)
+    memory = tuple(i for i in args.memory_impls.split(",") if i) if args.memory else ()
     backends = tuple(b for b in args.backends.split(",") if b)
 
     device = torch.device(args.device)
@@ -430,7 +484,8 @@ def main(argv=None) -> int:
     results = []
     for w in chosen:
         r = run_workload(w, device, args.rounds, args.min_time, backends,
-                         anchor=not args.no_anchor, anchor_timeout=args.anchor_timeout)
+                         anchor=not args.no_anchor, anchor_timeout=args.anchor_timeout,
+                         memory=memory)
         results.append(r)
         status = r["skipped"] or r["error"]
         if not status:
@@ -438,6 +493,7 @@ def main(argv=None) -> int:
             cells = [f"{n} {_ratio_cell(c)}" for n, c in r["compiled"].items()]
             if "anchor" in r:
                 cells.append(f"{ANCHOR} {_ratio_cell(r['anchor'], anchor=True)}")
+            cells += [f"{impl} peak {_peak_cell(c)} MB" for impl, c in r.get("memory", {}).items()]
             status = f"ft/torch.func {r['ft/torch.func']:.2f}{loop}" + "".join(
                 "; " + c for c in cells)
         print(f"  {w.id}: {status}", file=sys.stderr, flush=True)

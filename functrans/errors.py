@@ -10,7 +10,8 @@ What this module owns
 - ``ForwardModeAroundVmap``: internal control flow between vmap and jvp (never seen by users).
 - ``transform_call(name, func, ...)``: the echoed call every transform's message opens with,
   e.g. ``"jacrev(f, argnums=0): ..."``.
-- ``check_chunk_size``: the one validation of ``chunk_size`` (vmap, jacrev, jacfwd, hessian).
+- ``check_chunk_size``: the one validation of ``chunk_size`` (vmap, jacrev, jacfwd, hessian):
+  None, a positive int or ``"auto"``.
 
 Imports: nothing (every other module imports this one).
 """
@@ -111,12 +112,13 @@ def transform_call(name: str, func: Any = None, *positional: str, **kwargs: Any)
 
 
 def check_chunk_size(chunk_size: Any, api: str) -> None:
-    """``chunk_size`` must be None or a positive int (a bool is refused: ``True`` is not a
-    size).  ``api`` is the echoed call (``transform_call``) the message opens with."""
-    if chunk_size is None or (isinstance(chunk_size, int) and not isinstance(chunk_size, bool)
-                              and chunk_size >= 1):
+    """``chunk_size`` must be None, a positive int (a bool is refused: ``True`` is not a size)
+    or ``"auto"``.  ``api`` is the echoed call (``transform_call``) the message opens with."""
+    if chunk_size is None or chunk_size == "auto" and isinstance(chunk_size, str) or (
+            isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1):
         return
     raise TransformArgumentError(
-        f"{api}: chunk_size must be None or a positive int, got {chunk_size!r} "
-        f"({type(chunk_size).__name__}). Pass the number of examples to run at a time, or "
-        "chunk_size=None to run them all at once.")
+        f"{api}: chunk_size must be None, a positive int or 'auto', got {chunk_size!r} "
+        f"({type(chunk_size).__name__}). Pass the number of examples to run at a time, "
+        "chunk_size=None to run them all at once, or chunk_size='auto' to take the most that "
+        "fit in functrans.config.max_memory.")

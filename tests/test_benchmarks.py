@@ -5,7 +5,9 @@ per-sample-gradient engine, beside torch.func) are checked the same way when opa
 and skip with the reason otherwise; a row whose optional package is missing is printed as
 SKIPPED, never silently dropped.  The compiled columns are exercised on the smallest hessian row with
 the replay backend only (inductor compiles take seconds); the torch.compile anchor's subprocess
-is replaced by a fake that crashes.  Timing itself is never asserted here (see benchmarks/)."""
+is replaced by a fake that crashes.  The opt-in peak-memory columns (``--memory``) are measured
+for one cell of the smallest hessian row in its subprocess; the others are given.  Timing and
+memory figures themselves are never asserted here (see benchmarks/)."""
 import pytest
 import torch
 
@@ -168,3 +170,28 @@ def test_a_row_whose_package_is_missing_is_skipped_with_the_reason(monkeypatch, 
     out = capsys.readouterr().out
     assert out.count("SKIPPED: opacus is not installed") == 2
     assert "2 rows: 0 checked, 0 failed, 2 skipped" in out
+
+
+def test_memory_columns(monkeypatch):
+    """``--memory``: one cell really measured in its own process (benchmarks/cell_memory.py),
+    the others given; a column per implementation and the functrans / torch.func ratio; a
+    failed cell says why and fails nothing else."""
+    w = next(w for w in SMALL if w.name == "hessian")
+    cell = table.run_memory(w, torch.device("cpu"), "functrans", timeout=300)
+    assert set(cell) == {"peak_mb"} and cell["peak_mb"] >= 0
+    given = {"functrans": {"peak_mb": 3.0}, "torch.func": {"peak_mb": 2.0},
+             "ft.compile replay": {"error": "RuntimeError: boom"}}
+    asked = []
+    monkeypatch.setattr(table, "run_memory",
+                        lambda w, device, impl, timeout=600.0: asked.append(impl) or given[impl])
+    r = table.run_workload(w, torch.device("cpu"), rounds=1, min_time=0.0, backends=(),
+                           anchor=False, memory=table.MEMORY_IMPLS)
+    assert asked == list(table.MEMORY_IMPLS) and r["memory"] == given
+    text = table.format_table([r], markdown=True)
+    head, _, line = text.splitlines()
+    assert head.endswith("| functrans peak MB | torch.func peak MB | ft.compile replay peak MB | "
+                         "peak ft / torch.func |")
+    assert line.endswith("| 3.00 | 2.00 | FAILED: RuntimeError: boom | 1.50 |")
+    plain = table.format_table([r, dict(r, error="RuntimeError: x", times={})], markdown=False)
+    assert "FAILED: RuntimeError: x" in plain
+    assert "peak MB" not in table.format_table([dict(r, memory={})], markdown=False)

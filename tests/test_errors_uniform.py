@@ -248,7 +248,7 @@ def test_chunk_size_refused_alike(api, bad):
     msg = str(info.value)
     expected = (f"{name}(loss, in_dims=0, out_dims=0)" if name == "vmap"
                 else f"{name}(loss, argnums=0)")
-    assert msg.startswith(f"{expected}: chunk_size must be None or a positive int, got "
+    assert msg.startswith(f"{expected}: chunk_size must be None, a positive int or 'auto', got "
                           f"{bad!r} ({type(bad).__name__})."), msg
 
 

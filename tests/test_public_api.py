@@ -205,6 +205,12 @@ def _chunk_size():
                      (functrans.hessian, TF.hessian)):
         fn = torch.sin if api is not functrans.hessian else h
         _close(api(fn, chunk_size=2)(x[0]), ref(fn)(x[0]))
+        with functrans.config.max_memory(64):      # "auto": chunks that fit 64 bytes
+            _close(api(fn, chunk_size="auto")(x[0]), ref(fn)(x[0]))
+    calls.clear()
+    with functrans.config.max_memory(64):
+        _close(functrans.vmap(f, chunk_size="auto")(x), x.sin())
+    assert len(calls) > 3  # the probes' calls on fake tensors, then the chunks
     m = torch.nn.Linear(3, 2)
     ens = functrans.Ensemble([m, torch.nn.Linear(3, 2)], chunk_size=1)
     _close(ens(x), functrans.Ensemble([m, ens.members()[1]])(x))

@@ -4,7 +4,8 @@ standard-basis cotangents / tangents.
 Shapes nest as in PyTorch's transforms: for output leaf ``o`` and input leaf ``x`` the block has
 shape ``o.shape + x.shape``; the output's pytree is outside, the input's (and argnums') inside.
 ``chunk_size`` bounds how many basis vectors are pushed at once (memory), for all three; it is
-checked by ``errors.check_chunk_size``, as vmap's is.  Errors open with the call echoed
+checked by ``errors.check_chunk_size``, as vmap's is, and ``"auto"`` is passed on to the vmap
+(``batching/chunking.py``).  Errors open with the call echoed
 (``errors.transform_call``): ``hessian``'s name its own call, not the jacfwd/jacrev inside it.
 
 Imports: _pytree, errors, _differentiable, vjp, jvp, batching.api (jacrev and jacfwd are vmaps of
@@ -13,13 +14,13 @@ vjp and jvp), compiler.dynamo_entry (the route inside torch.compile).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Literal, Tuple, Union
 
 import torch
 
 from .._pytree import tree_flatten, tree_unflatten
 from ..errors import TransformArgumentError, check_chunk_size, transform_call
-from ..batching.api import check_randomness, vmap
+from ..batching.api import check_randomness, vmap_in
 from ..compiler import dynamo_entry
 from ._differentiable import Argnums, normalize_argnums, replace_argnums, select_argnums
 from .jvp import jvp_impl
@@ -72,7 +73,7 @@ def _nest(blocks: List[List[torch.Tensor]], out_spec: Any, in_structure: Tuple[A
 
 
 def jacrev(func: Callable[..., Any], argnums: Argnums = 0, *, has_aux: bool = False,
-           chunk_size: Optional[int] = None) -> Callable[..., Any]:
+           chunk_size: Union[int, Literal["auto"], None] = None) -> Callable[..., Any]:
     """The Jacobian of ``func`` w.r.t. ``args[argnums]`` by reverse mode (``vmap`` over
     ``vjp``): one backward pass per output element, batched.
 
@@ -88,8 +89,9 @@ def jacrev(func: Callable[..., Any], argnums: Argnums = 0, *, has_aux: bool = Fa
         has_aux: ``func`` returns ``(output, aux)``; ``aux`` is passed through (detached) and
             not differentiated.
         chunk_size: how many basis cotangents (output elements) to pull back at once: bounds
-            the memory of the vmapped backward; ``None`` means all at once.  The result does
-            not depend on it.
+            the memory of the vmapped backward; ``None`` means all at once; ``"auto"`` the
+            most that fit in ``functrans.config.max_memory`` (measured on fake tensors, see
+            ``vmap``).  The result does not depend on it.
 
     Returns:
         A function of the same arguments as ``func`` that returns the Jacobian, or
@@ -131,8 +133,9 @@ def jacrev(func: Callable[..., Any], argnums: Argnums = 0, *, has_aux: bool = Fa
     return _jacrev(func, argnums, has_aux, chunk_size, api)
 
 
-def _jacrev(func: Callable[..., Any], argnums: Argnums, has_aux: bool, chunk_size: Optional[int],
-            api: str) -> Callable[..., Any]:
+def _jacrev(func: Callable[..., Any], argnums: Argnums, has_aux: bool,
+            chunk_size: Union[int, Literal["auto"], None], api: str) -> Callable[..., Any]:
+    auto_cache: Dict[Any, Any] = {}     # chunk_size="auto": the choices, by call signature
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -152,8 +155,9 @@ def _jacrev(func: Callable[..., Any], argnums: Argnums, has_aux: bool, chunk_siz
             grads = vjp_fn(tree_unflatten([b[0] for b in basis], out_spec))
             flat_grads = [g.unsqueeze(0) for g in tree_flatten(grads)[0]]
         elif basis and basis[0].shape[0] > 0:
-            grads = vmap(lambda *ct: vjp_fn(tree_unflatten(list(ct), out_spec)),
-                         chunk_size=chunk_size)(*basis)
+            grads = vmap_in(auto_cache, (args, kwargs),
+                            lambda *ct: vjp_fn(tree_unflatten(list(ct), out_spec)),
+                            chunk_size=chunk_size)(*basis)
             flat_grads = tree_flatten(grads)[0]
         else:
             flat_grads = [x.new_zeros((0, *x.shape)) for x in flat_in]
@@ -171,7 +175,8 @@ def _jacrev(func: Callable[..., Any], argnums: Argnums, has_aux: bool, chunk_siz
 
 
 def jacfwd(func: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False, *,
-           randomness: str = "error", chunk_size: Optional[int] = None) -> Callable[..., Any]:
+           randomness: str = "error",
+           chunk_size: Union[int, Literal["auto"], None] = None) -> Callable[..., Any]:
     """The Jacobian of ``func`` w.r.t. ``args[argnums]`` by forward mode (``vmap`` over
     ``jvp``): one Jacobian-vector product per input element, batched.
 
@@ -189,7 +194,8 @@ def jacfwd(func: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False
         randomness: as ``vmap``'s (the basis tangents are pushed under a vmap): ``'error'``,
             ``'different'`` or ``'same'``.
         chunk_size: how many basis tangents (input elements) to push at once: bounds memory;
-            ``None`` means all at once.  The result does not depend on it.
+            ``None`` means all at once; ``"auto"`` as ``jacrev``'s.  The result does not
+            depend on it.
 
     Returns:
         A function of the same arguments as ``func`` that returns the Jacobian, or
@@ -225,7 +231,8 @@ def jacfwd(func: Callable[..., Any], argnums: Argnums = 0, has_aux: bool = False
 
 
 def _jacfwd(func: Callable[..., Any], argnums: Argnums, has_aux: bool, randomness: str,
-            chunk_size: Optional[int], api: str) -> Callable[..., Any]:
+            chunk_size: Union[int, Literal["auto"], None], api: str) -> Callable[..., Any]:
+    auto_cache: Dict[Any, Any] = {}     # chunk_size="auto": the choices, by call signature
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -242,10 +249,11 @@ def _jacfwd(func: Callable[..., Any], argnums: Argnums, has_aux: bool, randomnes
             return (res[1], res[2]) if has_aux else res[1]
 
         if has_aux:
-            tangents_out, aux = vmap(push, out_dims=(0, None), randomness=randomness,
-                                     chunk_size=chunk_size)(*basis)
+            tangents_out, aux = vmap_in(auto_cache, (args, kwargs), push, out_dims=(0, None),
+                                        randomness=randomness, chunk_size=chunk_size)(*basis)
         else:
-            tangents_out = vmap(push, randomness=randomness, chunk_size=chunk_size)(*basis)
+            tangents_out = vmap_in(auto_cache, (args, kwargs), push, randomness=randomness,
+                                   chunk_size=chunk_size)(*basis)
         flat_t, out_spec = tree_flatten(tangents_out)
         blocks = []
         for t in flat_t:
@@ -265,7 +273,7 @@ def _jacfwd(func: Callable[..., Any], argnums: Argnums, has_aux: bool, randomnes
 
 
 def hessian(func: Callable[..., Any], argnums: Argnums = 0, *, has_aux: bool = False,
-            chunk_size: Optional[int] = None) -> Callable[..., Any]:
+            chunk_size: Union[int, Literal["auto"], None] = None) -> Callable[..., Any]:
     """The Hessian of ``func`` w.r.t. ``args[argnums]``: ``jacfwd(jacrev(func))``
     (forward-over-reverse).
 
@@ -279,7 +287,8 @@ def hessian(func: Callable[..., Any], argnums: Argnums = 0, *, has_aux: bool = F
         has_aux: ``func`` returns ``(output, aux)``; ``aux`` is passed through (detached) and
             not differentiated.
         chunk_size: as ``jacrev``'s and ``jacfwd``'s, for both passes; ``None`` means all at
-            once.
+            once.  With ``"auto"`` the outer (jacfwd) pass measures the whole computation and
+            the inner one, running inside it, is not chunked.
 
     Returns:
         A function of the same arguments as ``func`` that returns the Hessian, or

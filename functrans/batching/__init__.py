@@ -2,6 +2,7 @@
 the fallback.  The files, in the order an op meets them:
 
   api.py             vmap(): arguments, batch size, chunking; pushes a level and its mode
+  chunking.py        chunk_size="auto": a call's peak memory measured on fake tensors
   mode.py            the level's dispatch mode: the entry of every op under a vmap
   batched_tensor.py  the wrapper (value, bdim, level); top_level()
   dispatch.py        one op as named steps: level, entry, unwrap, guards, run, rewrap

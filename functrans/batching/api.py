@@ -8,13 +8,17 @@ autograd.Function: an input that carries autograd state keeps it on the physical
 dispatcher records the rules' physical ops (see Note [autograd on physical values] in
 dispatch.py).
 
-Imports: _levels, _pytree, errors, functionalization, batched_tensor, helpers, mode,
+``chunk_size="auto"`` asks ``chunking.choose()`` for the chunk, giving it this module's batched
+call to probe on fake tensors, and the vmap's cache of earlier choices (``vmap_in()``: a cache
+that a transform built on vmap keeps across its calls).
+
+Imports: _levels, _pytree, errors, functionalization, chunking, batched_tensor, helpers, mode,
 compiler.dynamo_entry (the route inside torch.compile).
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -24,6 +28,7 @@ from .._pytree import broadcast_prefix, describe_structure, leaf_paths, tree_fla
     tree_unflatten
 from ..errors import (EscapedBatchedTensorError, ForwardModeAroundVmap, TransformArgumentError,
                       UnsupportedUnderVmap, check_chunk_size, transform_call)
+from . import chunking
 from .batched_tensor import BatchedTensor
 from .helpers import match_bdim
 from .mode import VmapLevelMode
@@ -36,7 +41,7 @@ _BatchedTensor: Any = BatchedTensor
 
 
 def vmap(func: Callable[..., Any], in_dims: Any = 0, out_dims: Any = 0, randomness: str = "error",
-         *, chunk_size: Optional[int] = None) -> Callable[..., Any]:
+         *, chunk_size: Union[int, Literal["auto"], None] = None) -> Callable[..., Any]:
     """Vectorize ``func`` over a batch dimension of its inputs.
 
     Write ``func`` for ONE example; ``vmap(func)`` runs it on a batch, as if by a loop over the
@@ -57,7 +62,10 @@ def vmap(func: Callable[..., Any], in_dims: Any = 0, out_dims: Any = 0, randomne
         randomness: ``'error'`` (random ops raise), ``'different'`` (each example draws its own
             values) or ``'same'`` (one draw shared by the batch).
         chunk_size: run the batch in chunks of this many examples (bounds memory); the result
-            is the same as without chunking.  ``None``: the whole batch at once.
+            is the same as without chunking.  ``None``: the whole batch at once.  ``"auto"``:
+            the most examples whose peak memory, measured on fake tensors, fits in
+            ``functrans.config.max_memory`` (by default half the free memory of the inputs'
+            device); see ``functrans/batching/chunking.py``.
 
     Returns:
         The batched function.  Called with inputs whose mapped dims have size ``B``, it returns
@@ -88,14 +96,33 @@ def vmap(func: Callable[..., Any], in_dims: Any = 0, out_dims: Any = 0, randomne
     _check_dims_spec(in_dims, "in_dims", api)
     _check_dims_spec(out_dims, "out_dims", api)
 
+    auto_cache: Dict[Any, Any] = {}     # chunk_size="auto": the choices, by call signature
+
     @functools.wraps(func)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if dynamo_entry.active():  # inside torch.compile
             return dynamo_entry.call_transform(vmap, (func, in_dims, out_dims, randomness),
                                                {"chunk_size": chunk_size}, args, kwargs)
-        return _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs)
+        return _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs,
+                          auto_cache)
 
     return wrapped
+
+
+def vmap_in(auto_cache: Dict[Any, Any], auto_key: Any, func: Callable[..., Any],
+            out_dims: Any = 0, randomness: str = "error",
+            chunk_size: Union[int, Literal["auto"], None] = None) -> Callable[..., Any]:
+    """``vmap(func, 0, out_dims, randomness, chunk_size=chunk_size)`` for a transform built on
+    vmap (jacrev, jacfwd) that makes a new ``func`` on every call: ``chunk_size="auto"``'s
+    choices are kept in the transform's own ``auto_cache``, under ``auto_key`` (what the
+    transform's call depends on beyond ``func``'s arguments) and the call's signature."""
+    if dynamo_entry.active():  # inside torch.compile: as vmap's own route
+        return vmap(func, 0, out_dims, randomness, chunk_size=chunk_size)
+
+    def call(*args: Any) -> Any:
+        return _vmap_call(func, 0, out_dims, randomness, chunk_size, args, {}, auto_cache,
+                          auto_key)
+    return call
 
 
 def _is_dim_leaf(x: Any) -> bool:
@@ -164,7 +191,9 @@ def _check_forward_ad(api: str) -> None:
 
 
 def _vmap_call(func: Callable[..., Any], in_dims: Any, out_dims: Any, randomness: str,
-               chunk_size: Optional[int], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+               chunk_size: Union[int, Literal["auto"], None], args: Tuple[Any, ...],
+               kwargs: Dict[str, Any], auto_cache: Optional[Dict[Any, Any]] = None,
+               auto_key: Any = ()) -> Any:
     api = _api_name(func, in_dims, out_dims)
     _check_forward_ad(api)
     flat_args, args_spec = tree_flatten(args)
@@ -216,13 +245,26 @@ def _vmap_call(func: Callable[..., Any], in_dims: Any, out_dims: Any, randomness
             f"{api}: mapped inputs disagree on batch size:\n{detail}\nAll mapped dims must "
             "have the same size; use in_dim None for an input shared by every example.")
 
+    chunk: Optional[int]
+    if isinstance(chunk_size, str):     # "auto" (checked by vmap())
+        def probe(probe_args: List[Any], size: int) -> Any:
+            return _run(func, probe_args, flat_dims, args_spec, kwargs, out_dims, size,
+                        randomness, api)
+        outer = [lv for lv in _levels.stack() if isinstance(lv, _levels.VmapLevel)]
+        chunk = chunking.choose(
+            api, probe, flat_args, flat_dims, batch_size,
+            unmeasurable=f"inside another vmap (level {outer[-1].id}), whose ops a fake trace "
+            "cannot see" if outer else None, cache=auto_cache,
+            key=chunking.signature((auto_key, flat_args, flat_dims, kwargs)))
+    else:
+        chunk = chunk_size
     try:
-        if chunk_size is None or chunk_size >= batch_size:
+        if chunk is None or chunk >= batch_size:
             flat_out, out_spec = _run(func, flat_args, flat_dims, args_spec, kwargs, out_dims,
                                       batch_size, randomness, api)
             return tree_unflatten(flat_out, out_spec)
         return _run_chunked(func, flat_args, flat_dims, args_spec, kwargs, out_dims,
-                            batch_size, randomness, chunk_size, api)
+                            batch_size, randomness, chunk, api)
     except RuntimeError as e:
         if _RAW_DATA_READ in str(e) and not isinstance(e, UnsupportedUnderVmap):
             raise _raw_data_error(api) from None

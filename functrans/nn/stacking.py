@@ -11,7 +11,7 @@ Imports: errors, stateless, batching.api.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -113,7 +113,8 @@ class Ensemble:
             not show in the ensemble).
         randomness: as ``vmap``'s: ``'error'``, ``'different'`` (dropout draws per member) or
             ``'same'``.
-        chunk_size: as ``vmap``'s: run this many members at a time (bounds memory).
+        chunk_size: as ``vmap``'s: run this many members at a time (bounds memory), or
+            ``"auto"``.
 
     Calling ``ens(*args, shared=True, **kwargs)`` runs every member: on the same inputs
     (``shared=True``; a result of per-member shape ``S`` comes back as ``(N, *S)``), or member
@@ -140,7 +141,7 @@ class Ensemble:
     """
 
     def __init__(self, models: Sequence[nn.Module], *, randomness: str = "error",
-                 chunk_size: Optional[int] = None):
+                 chunk_size: Union[int, Literal["auto"], None] = None):
         self.params, self.buffers = stack_module_state(models)
         self.size = len(models)
         self.randomness = randomness

@@ -60,7 +60,7 @@ def test_jvp_checks():
 
 
 def test_chunk_size_checks_name_the_api():
-    raises(r"^jacrev\(sin, argnums=0\): chunk_size must be None or a positive int", lambda: ft.jacrev(torch.sin, chunk_size=0))
+    raises(r"^jacrev\(sin, argnums=0\): chunk_size must be None, a positive int or 'auto'", lambda: ft.jacrev(torch.sin, chunk_size=0))
     raises(r"^jacfwd\(sin, argnums=0\): chunk_size", lambda: ft.jacfwd(torch.sin, chunk_size=-1))
     raises(r"^hessian\(sum, argnums=0\): chunk_size", lambda: ft.hessian(torch.sum, chunk_size=0))
 

@@ -95,7 +95,7 @@ def test_out_dims_errors():
 
 def test_other_argument_errors():
     raises(TransformArgumentError, "randomness must be one of", lambda: vmap(torch.sin, randomness="x"))
-    raises(TransformArgumentError, "chunk_size must be None or a positive int",
+    raises(TransformArgumentError, "chunk_size must be None, a positive int or 'auto'",
            lambda: vmap(torch.sin, chunk_size=0))
 
 

@@ -468,26 +468,26 @@ ENTRIES = [
     _e("chunk_size_zero", "`chunk_size=0`",
        """
        ft.vmap(torch.sin, chunk_size=0)
-       """, T, r"chunk_size must be None or a positive int, got 0",
+       """, T, r"chunk_size must be None, a positive int or 'auto', got 0",
        ("chunk_size", "chunk_size=None"),
        torch_func="ValueError: \"vmap: chunk_size should be None or greater than 0. (got 0)\""),
     _e("chunk_size_float", "`chunk_size=2.0`",
        """
        ft.vmap(torch.sin, chunk_size=2.0)
-       """, T, r"chunk_size must be None or a positive int, got 2\.0",
+       """, T, r"chunk_size must be None, a positive int or 'auto', got 2\.0",
        ("chunk_size", "chunk_size=None"),
        torch_func="TypeError at call time: \"can't multiply sequence by non-int of type "
                   "'float'\""),
     _e("jacrev_chunk_size", "`jacrev(f, chunk_size=0)`",
        """
        ft.jacrev(torch.sin, chunk_size=0)
-       """, T, r"^jacrev\(sin, argnums=0\): chunk_size must be None or a positive int",
+       """, T, r"^jacrev\(sin, argnums=0\): chunk_size must be None, a positive int or 'auto'",
        ("chunk_size", "chunk_size=None"),
        torch_func="ValueError: \"jacrev: `chunk_size` should be greater than 0.\""),
     _e("jacrev_chunk_size_bool", "`jacrev(f, chunk_size=True)` (a bool is not a size)",
        """
        ft.jacrev(torch.sin, chunk_size=True)
-       """, T, r"^jacrev\(sin, argnums=0\): chunk_size must be None or a positive int, got "
+       """, T, r"^jacrev\(sin, argnums=0\): chunk_size must be None, a positive int or 'auto', got "
                r"True \(bool\)",
        ("chunk_size", "chunk_size=None"),
        torch_func="accepted, then TypeError at call time: \"new_zeros() takes 1 positional "
