@@ -93,12 +93,19 @@ def lay_out(batch: torch.Tensor, bdims: Sequence[int], layout: str, *,
 
 
 def written_inputs(call, tensors: Sequence[torch.Tensor]) -> frozenset:
-    """The positions of the tensors that ``call(*tensors)`` writes in place (their version
-    counters move), run on clones; empty if the call fails."""
+    """The positions of the tensors that ``call(*tensors)`` writes in place, run on clones: a
+    version counter that moves, values or metadata that change (native_batch_norm updates its
+    running stats without moving their version counters).  Every position if the call fails."""
     clones = [t.clone() for t in tensors]
-    before = [t._version for t in clones]
+    before = [(t._version, t.clone(), t.shape, t.stride()) for t in clones]
     try:
         call(*clones)
     except Exception:
-        return frozenset()
-    return frozenset(i for i, (t, v) in enumerate(zip(clones, before)) if t._version != v)
+        return frozenset(range(len(tensors)))
+
+    def changed(t, b):
+        version, value, shape, stride = b
+        return (t._version != version or t.shape != shape or t.stride() != stride
+                or not torch.equal(t, value))
+
+    return frozenset(i for i, (t, b) in enumerate(zip(clones, before)) if changed(t, b))

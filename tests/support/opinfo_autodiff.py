@@ -140,7 +140,9 @@ def _laid_out(xs, k, layout, bdim, written=frozenset()):
 
 def _layout_checks_for(g, diff, layout: str, bdim: int, randomness: str = "error",
                        written=frozenset()) -> Dict[str, tuple]:
-    """check -> (run(impl), reference()) for the LAYOUT_CHECKS that the layout applies to."""
+    """check -> (run(impl, batches), reference(), batches) for the LAYOUT_CHECKS that the
+    layout applies to; ``run`` takes the batches, so that a wrong result can be rerun on the
+    same values laid out contiguously (the control of ``_judge_layout``)."""
     outs0 = g(*diff)
     cts = tuple(perturb_like(o, 7) for o in outs0)
     tangents = tuple(perturb_like(d, 11) for d in diff)
@@ -151,14 +153,32 @@ def _layout_checks_for(g, diff, layout: str, bdim: int, randomness: str = "error
     checks = {}
     if CT is not None:
         checks["vmap_vjp"] = (
-            lambda m: m.vmap(m.vjp(g, *diff)[1], in_dims=bdim, randomness=randomness)(CT),
-            lambda: _loop(lambda *c: _ref_vjp(g, diff, c), bdim, *CT))
+            lambda m, ct: m.vmap(m.vjp(g, *diff)[1], in_dims=bdim, randomness=randomness)(ct),
+            lambda: _loop(lambda *c: _ref_vjp(g, diff, c), bdim, *CT), CT)
     if XT is not None:
         checks["vmap_jvp"] = (
-            lambda m: m.vmap(lambda *a: m.jvp(g, a[:n], a[n:]), in_dims=bdim,
-                             randomness=randomness)(*XT),
-            lambda: _loop(lambda *a: _ref_jvp(g, a[:n], a[n:]), bdim, *XT))
+            lambda m, xt: m.vmap(lambda *a: m.jvp(g, a[:n], a[n:]), in_dims=bdim,
+                                 randomness=randomness)(*xt),
+            lambda: _loop(lambda *a: _ref_jvp(g, a[:n], a[n:]), bdim, *XT), XT)
     return checks
+
+
+def _judge_layout(results, key, run, ref, batches, impls) -> None:
+    """``_judge`` of one layout check, with its control: a result that is wrong in the
+    expanded layout (which repeats values) and also wrong on the same values laid out
+    contiguously is ``oracle_invalid`` (the values, not the layout: rank-deficient matrices)."""
+    _judge(results, key, lambda m: run(m, batches), ref, impls, vmapped=True)
+    if key[-1] != "expanded":
+        return
+    same_values = tuple(b.contiguous() for b in batches)
+    for impl in impls:
+        outs = results[(impl, *key)]
+        if not outs[-1].startswith("wrong"):
+            continue
+        control = collections.defaultdict(list)
+        _judge(control, key, lambda m: run(m, same_values), ref, (impl,), vmapped=True)
+        if control[(impl, *key)][-1].startswith("wrong"):
+            outs[-1] = "oracle_invalid: " + outs[-1]
 
 
 def _run(impl: str, run, vmapped: bool):
@@ -285,10 +305,10 @@ def sweep_op_layouts(op, *, full: bool,
                     checks = _layout_checks_for(g, diff, layout, bdim, flat.randomness, written)
                 except Exception:
                     continue
-                for name, (run, ref) in checks.items():
+                for name, (run, ref, batches) in checks.items():
                     if "jvp" in name and not op.supports_forward_ad:
                         continue
-                    _judge(results, (name, layout), run, ref, impls, vmapped=True)
+                    _judge_layout(results, (name, layout), run, ref, batches, impls)
     return dict(results) if results else {"skipped": "no usable sample"}
 
 

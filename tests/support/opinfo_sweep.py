@@ -447,8 +447,21 @@ def run_check(op, k, flat: FlatSample, dims: tuple, nested: bool,
                                       flat.randomness)
         if outcome == "wrong" and detail.startswith(NONFINITE):
             outcome = "oracle_invalid"
+        elif outcome == "wrong" and layout == "expanded":
+            # The control: the same values in the stacked layout (a contiguous batch).  Wrong
+            # there too, the values are what the oracle cannot judge (the expanded layout
+            # repeats values: a rank-deficient matrix's singular vectors), not the layout.
+            # (The other layouts keep the stacked check's values: their wrong is the layout's.)
+            same_values = [b.contiguous() if d is not None else b
+                           for b, d in zip(batched, dims)]
+            if runner(flat.call, dims, nested, same_values, expected,
+                      flat.randomness)[0] == "wrong":
+                outcome, detail = "oracle_invalid", ILL_POSED + detail
         results.append(Check(**base, impl=impl, outcome=outcome, detail=detail, via=via))
     return results
+
+
+ILL_POSED = "wrong on the same values stacked contiguously too (values the oracle cannot judge): "
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ offsets, so they have a per-example meaning only when each example stands for a 
 its own (what the per-example loop of an OpInfo test passes, ``example.clone()``).  Two layouts
 qualify.  (1) Each example owns its own block of the storage exactly as a fresh eager tensor
 would: the physical tensor tiles its whole storage, one block of ``stride(bdim)`` elements per
-example, starting at offset 0 (what autograd's ``new_empty_strided`` + ``as_strided`` gradient
+example, starting at offset 0, and no dim of an example is expanded (stride 0: the example's
+fresh copy would hold every repeated element, its block holds each once) (what autograd's ``new_empty_strided`` + ``as_strided`` gradient
 of an in-place slice write produces): every example's window is the same window of its own
 block, and the result is a view.  (2) The batch's memory holds nothing but its examples (offset
 0, dense, a storage of exactly its size; for nested vmap, the innermost physical tensor's), but
@@ -549,7 +550,10 @@ def as_strided_rule(info, in_dims, x, size, stride, storage_offset=None):
         del shape[b], strides[b]
         example_extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides) if n > 0)
         window_end = offset + sum((n - 1) * st for n, st in zip(size, stride) if n > 0)
-        if owns_storage and example_extent <= block and offset >= 0 and window_end < block:
+        # An expanded example (a stride-0 dim) is no fresh tensor: its fresh copy (the
+        # example's clone()) holds every element, its block only the distinct ones.
+        if owns_storage and example_extent <= block and offset >= 0 and window_end < block \
+                and not any(n > 1 and st == 0 for n, st in zip(shape, strides)):
             return x.as_strided((x.shape[b], *size), (block, *stride), offset), 0
     if not (_holds_only_its_examples(x) and _fresh_layout(x, b)):
         raise Decline()

@@ -471,3 +471,21 @@ def test_inplace_view_ops(name, f, shape):
         return t
     check_vmap(g, [torch.randn(shape)], [0])
     check_vmap(g, [torch.randn(shape)], [-1])
+
+
+@pytest.mark.parametrize("op", ["as_strided", "as_strided_copy"])
+def test_as_strided_of_expanded_examples_layout_expanded(op):
+    """Layout ``expanded`` (issue 25): each example expanded (stride 0) from its first row,
+    different per example, in a batch that tiles its storage, one block of 9 elements per
+    example.  An example stands for a fresh tensor (its clone(): 9 elements, the row three
+    times), but its block holds the row once and then elements that are not the example's:
+    the rule refuses it (it had windowed the block, a wrong answer); the same values stacked
+    contiguously give the loop's answer."""
+    fn = getattr(torch, op)
+    f = lambda t: fn(t, (2, 2), (1, 2), 0)   # noqa: E731
+    full = torch.randn(3, 3, 3, generator=torch.Generator().manual_seed(2))
+    x = full.narrow(1, 0, 1).expand(3, 3, 3)    # example k: full[k, 0] repeated 3 times
+    want = loop_oracle(lambda t: f(t.clone()), (0,), 3, x)
+    with pytest.raises(functrans.errors.UnsupportedUnderVmap, match="absolute storage offsets"):
+        functrans.vmap(f)(x)
+    assert_same(functrans.vmap(f)(x.contiguous()), want)
