@@ -10,7 +10,11 @@ of DIFFERENT cotangents / primals+tangents.  Each check's outcome, per implement
 * ``pass``, ``error`` (the message is kept), ``wrong`` (a value differs: the test FAILS on it
   for functrans), or ``oracle_invalid`` (the reference itself fails, e.g. no forward-AD formula).
 
-Run ``python -m tests.support.opinfo_autodiff [--full] [--ops a,b]`` for the report.
+``--layouts`` runs the layout checks instead (``sweep_op_layouts``): vmap∘vjp and vmap∘jvp with
+the cotangents (primals and tangents) stacked at in_dims 0 and -1 and laid out in every layout
+of ``tests.support.layouts``, one sample per op, against the loop over contiguous examples.
+
+Run ``python -m tests.support.opinfo_autodiff [--full | --layouts] [--ops a,b]`` for the report.
 """
 from __future__ import annotations
 

@@ -20,6 +20,15 @@ The oracle runs the op on each example made contiguous (the ``as_strided`` famil
 clone), while the batch holds the examples at its strides (stacked at the in_dim): so a rule
 whose answer depends on a batched operand's memory layout fails here (issue 25).
 
+The layout sweep (``--layouts``, ``Plan`` ``LAYOUT_SWEEP``) runs every op's checks once per
+layout of ``tests.support.layouts`` (stacked, batch dim moved to the other end of memory,
+transposed, channels_last, expanded: stride 0), on two samples and three in_dims choices (the
+first two also nested), against the same contiguous loop; a check runs in a layout only where
+some batched operand takes it (``Check.layout``; the report adds a table of checks per layout,
+functrans beside torch.func).  An expanded layout repeats values, which can make the answer
+ill-posed (a rank-deficient matrix's singular vectors): a check wrong there that is also wrong
+on the same values stacked contiguously is ``oracle_invalid``.
+
 A check whose loop oracle itself fails on the drawn examples (or disagrees about NaNs) is
 ``oracle_invalid``, not a functrans failure.  An op's outcome is the worst over its checks.  The
 same checks run with ``torch.vmap`` as the implementation (``rule`` / ``fallback``, detected by its
@@ -33,8 +42,8 @@ drawn on the CPU from a seeded generator and moved there, and the oracle, functr
 torch.vmap all run there; TF32 is off for the sweep (``oracles.float32_on_cuda``) so the float32
 tolerances hold.  An output on another device than the oracle's is ``wrong``.
 
-Run ``python -m tests.support.opinfo_sweep [--full] [--ops a,b] [--device cuda] [--report FILE]``
-for a report.
+Run ``python -m tests.support.opinfo_sweep [--full | --layouts] [--ops a,b] [--device cuda]
+[--report FILE]`` for a report.
 """
 from __future__ import annotations
 
