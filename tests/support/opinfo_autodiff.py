@@ -12,7 +12,7 @@ of DIFFERENT cotangents / primals+tangents.  Each check's outcome, per implement
 
 ``--layouts`` runs the layout checks instead (``sweep_op_layouts``): vmap∘vjp and vmap∘jvp with
 the cotangents (primals and tangents) stacked at in_dims 0 and -1 and laid out in every layout
-of ``tests.support.layouts``, one sample per op, against the loop over contiguous examples.
+of ``tests.support.layouts``, two samples per op, against the loop over contiguous examples.
 
 Run ``python -m tests.support.opinfo_autodiff [--full | --layouts] [--ops a,b]`` for the report.
 """
@@ -124,7 +124,7 @@ def _checks_for(g, diff, randomness: str = "error") -> Dict[str, tuple]:
 # cotangents; the primals and tangents) stacked at in_dim 0 or -1 and laid out in each layout
 # of tests.support.layouts, against the loop over contiguous examples.
 LAYOUT_CHECKS = ("vmap_vjp", "vmap_jvp")
-LAYOUT_SAMPLES, LAYOUT_FAST_SAMPLES = 1, 1
+LAYOUT_SAMPLES, LAYOUT_FAST_SAMPLES = 2, 1
 LAYOUT_FAST_OPS = ("matmul", "softmax")
 
 
