@@ -76,15 +76,18 @@ def _batch(x, k, bdim=0):
     return torch.stack([perturb_like(x, 100 * k + i) for i in range(B)], bdim % (x.dim() + 1))
 
 
-def _example(b, bdim, i):
+def _example(b, bdim, i, fresh: bool = False):
     """Example ``i`` of a batch as a fresh contiguous tensor (a slice of the batch has a
     storage offset that as_strided & co. would read as part of the example, and its strides
-    must not matter: the oracle of every layout is the contiguous loop)."""
-    return b.select(bdim, i).clone(memory_format=torch.contiguous_format)
+    must not matter: the oracle of every layout is the contiguous loop).  ``fresh``: the
+    example's own clone() instead, keeping its memory order, for the ops that address storage
+    (the as_strided family: see tests.support.opinfo_sweep.run_check)."""
+    e = b.select(bdim, i)
+    return e.clone() if fresh else e.clone(memory_format=torch.contiguous_format)
 
 
-def _loop(fn, bdim, *batches):
-    outs = [fn(*[_example(b, bdim, i) for b in batches]) for i in range(B)]
+def _loop(fn, bdim, *batches, fresh: bool = False):
+    outs = [fn(*[_example(b, bdim, i, fresh) for b in batches]) for i in range(B)]
     return pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
 
 
@@ -142,7 +145,7 @@ def _laid_out(xs, k, layout, bdim, written=frozenset()):
 
 
 def _layout_checks_for(g, diff, layout: str, bdim: int, randomness: str = "error",
-                       written=frozenset()) -> Dict[str, tuple]:
+                       written=frozenset(), fresh: bool = False) -> Dict[str, tuple]:
     """check -> (run(impl, batches), reference(), batches) for the LAYOUT_CHECKS that the
     layout applies to; ``run`` takes the batches, so that a wrong result can be rerun on the
     same values laid out contiguously (the control of ``_judge_layout``)."""
@@ -157,12 +160,12 @@ def _layout_checks_for(g, diff, layout: str, bdim: int, randomness: str = "error
     if CT is not None:
         checks["vmap_vjp"] = (
             lambda m, ct: m.vmap(m.vjp(g, *diff)[1], in_dims=bdim, randomness=randomness)(ct),
-            lambda: _loop(lambda *c: _ref_vjp(g, diff, c), bdim, *CT), CT)
+            lambda: _loop(lambda *c: _ref_vjp(g, diff, c), bdim, *CT, fresh=fresh), CT)
     if XT is not None:
         checks["vmap_jvp"] = (
             lambda m, xt: m.vmap(lambda *a: m.jvp(g, a[:n], a[n:]), in_dims=bdim,
                                  randomness=randomness)(*xt),
-            lambda: _loop(lambda *a: _ref_jvp(g, a[:n], a[n:]), bdim, *XT), XT)
+            lambda: _loop(lambda *a: _ref_jvp(g, a[:n], a[n:]), bdim, *XT, fresh=fresh), XT)
     return checks
 
 
@@ -305,7 +308,8 @@ def sweep_op_layouts(op, *, full: bool,
         for layout in layouts.LAYOUTS if full else layouts.LAYOUTS[1:]:
             for bdim in (0, -1):
                 try:
-                    checks = _layout_checks_for(g, diff, layout, bdim, flat.randomness, written)
+                    checks = _layout_checks_for(g, diff, layout, bdim, flat.randomness, written,
+                                                fresh=op.name.startswith("as_strided"))
                 except Exception:
                     continue
                 for name, (run, ref, batches) in checks.items():
