@@ -131,10 +131,13 @@ STORAGE_DEPENDENT = {"as_strided", "as_strided_", "as_strided_copy", "as_strided
 
 
 # Kernels that read some tensor arguments as if contiguous, ignoring their strides (found for
-# mkldnn_rnn_layer and fractional_max_pool*_backward): a slice of a batch is rarely
-# contiguous, so they get contiguous copies.
+# mkldnn_rnn_layer and fractional_max_pool*_backward), or whose values follow the memory order
+# (resize keeps the storage and restrides it contiguously: on a transposed example it reads
+# the elements in memory order): a slice of a batch is rarely contiguous, so they get
+# contiguous copies, and give each example's answer as if it were contiguous (See Note
+# [layout-dependent kernels] in helpers.py).
 STRIDE_BLIND = {"mkldnn_rnn_layer", "mkldnn_rnn_layer_backward", "fractional_max_pool2d_backward",
-                "fractional_max_pool3d_backward"}
+                "fractional_max_pool3d_backward", "resize"}
 
 
 def loop_fallback(op, level, in_dims, *vals, _declined: bool = False, _undecomposed: str = "",

@@ -42,6 +42,34 @@ def split_dim0(y: torch.Tensor, size: int) -> torch.Tensor:
     return y.reshape((size, y.shape[0] // size) + tuple(y.shape[1:]))
 
 
+# Note [layout-dependent kernels]
+# A rule hands an eager kernel the physical tensor, whose layout (strides, memory format) the
+# user chose, not the layout of any one example.  Most kernels give the same values in every
+# layout; a few do not, and a rule that calls them as they are gives a wrong answer in some
+# layouts (issue 25), where the right one is the kernel's on each example made contiguous
+# (tests/support/layouts.py presents the OpInfo sweeps' batches in each layout).  Found so far:
+# * native_group_norm reads a non-contiguous weight/bias as contiguous memory (rules/norms.py);
+# * median.dim / nanmedian.dim over a stride-0 (expanded) dim return uninitialised memory, and
+#   sort (so argsort) orders ties differently on a stride-0 input of a few thousand elements:
+#   ``without_internal_overlap`` (rules/reductions.py, rules/sorting.py);
+# * max_unpool2d resolves duplicate indices (different values for one output element) in
+#   another order on a channels_last input than on a contiguous one, from call to call
+#   (rules/pooling.py);
+# * resize reads the example's storage in memory order (the loop fallback, fallback.py);
+# * as_strided addresses storage, so an expanded (overlapping) example has no block of its own
+#   (rules/views.py).
+
+def has_internal_overlap(x: torch.Tensor) -> bool:
+    """Whether some dim of size > 1 has stride 0 (an expanded tensor)."""
+    return any(n > 1 and s == 0 for n, s in zip(x.shape, x.stride()))
+
+
+def without_internal_overlap(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a contiguous copy of it when some dim of size > 1 has stride 0, for kernels
+    whose values differ on an expanded input (See Note [layout-dependent kernels])."""
+    return x.contiguous() if has_internal_overlap(x) else x
+
+
 def normalize_dim(dim: int, rank: int) -> int:
     """Wrap a possibly negative logical dim into ``[0, rank)`` (0-d tensors accept 0 and -1)."""
     r = max(rank, 1)

@@ -1,8 +1,11 @@
 """The OpInfo sweep as pytest items: one per op, plus a report of outcomes side by side.
 
 The default run covers the fast subset (``opinfo_sweep.FAST_OPS``: pointwise, reductions, views,
-matmul; a few samples and in_dims choices per op).  The whole of ``op_db`` (every in_dims choice,
-vmap of vmap) runs under the ``sweep`` marker: ``pytest -m sweep tests/batching/test_opinfo_sweep.py``.
+matmul; a few samples and in_dims choices per op), and a slice of the layout sweep
+(``LAYOUT_FAST_OPS`` with their batches transposed, channels_last, expanded, batch dim moved:
+tests/support/layouts.py).  The whole of ``op_db`` (every in_dims choice, vmap of vmap; and the
+layout sweep, ``LAYOUT_SWEEP``) runs under the ``sweep`` marker:
+``pytest -m sweep tests/batching/test_opinfo_sweep.py``.
 An op fails on any wrong value, and on a functrans error where torch.vmap passes the same check
 (unless ``opinfo_sweep.XFAILS`` explains it).  See tests/support/opinfo_sweep.py for the
 outcomes.
@@ -21,13 +24,16 @@ from tests.support import opinfo_sweep as sweep
 FAST = sweep.select_ops(full=False)
 ALL = sweep.select_ops(full=True)
 
-_results = {}  # (full, op id, device) -> OpResult, shared by the per-op items and the report
+LAYOUT_FAST = [op for op in sweep.select_ops(full=False, names=sweep.LAYOUT_FAST_OPS)
+               if sweep.op_id(op) in sweep.LAYOUT_FAST_OPS]
+
+_results = {}  # (full, op id, device, plan) -> OpResult, shared by the per-op items and reports
 
 
-def _result(op, full: bool, device: str = "cpu") -> sweep.OpResult:
-    key = (full, sweep.op_id(op), device)
+def _result(op, full: bool, device: str = "cpu", plan=None) -> sweep.OpResult:
+    key = (full, sweep.op_id(op), device, plan)
     if key not in _results:
-        _results[key] = sweep.sweep_op(op, full=full, device=device)
+        _results[key] = sweep.sweep_op(op, full=full, device=device, plan=plan)
     return _results[key]
 
 
@@ -46,6 +52,16 @@ def _check(res: sweep.OpResult) -> None:
 @pytest.mark.parametrize("op", FAST, ids=sweep.op_id)
 def test_op(op):
     _check(_result(op, full=False))
+
+
+@pytest.mark.parametrize("op", LAYOUT_FAST, ids=sweep.op_id)
+def test_op_in_every_layout(op):
+    """The default run's layout slice (``opinfo_sweep.LAYOUT_FAST``): the batches transposed,
+    channels_last, expanded, batch dim moved (tests/support/layouts.py), one sample, in_dims
+    all 0 and all -1, against the contiguous loop (functrans only: no wrong value)."""
+    res = sweep.sweep_op(op, full=False, plan=sweep.LAYOUT_FAST, with_torch=False)
+    _check(res)
+    assert any(c.outcome != "oracle_invalid" for c in res.checks), "no layout check ran"
 
 
 @pytest.mark.cuda
@@ -110,6 +126,22 @@ def test_report():
 @pytest.mark.parametrize("op", ALL, ids=sweep.op_id)
 def test_op_full(op):
     _check(_result(op, full=True))
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("op", ALL, ids=sweep.op_id)
+def test_op_layouts_full(op):
+    """The layout sweep (``opinfo_sweep.LAYOUT_SWEEP``) of every op."""
+    _check(_result(op, full=True, plan=sweep.LAYOUT_SWEEP))
+
+
+@pytest.mark.sweep
+def test_report_layouts_full():
+    results = [_result(op, full=True, plan=sweep.LAYOUT_SWEEP) for op in ALL]
+    text = sweep.report(results)
+    print("\n" + text)
+    assert not any(c.outcome == "wrong" for r in results for c in r.checks
+                   if c.impl == "functrans"), text
 
 
 @pytest.mark.sweep

@@ -8,6 +8,8 @@
 * ``opinfo_autodiff`` -- vjp, jvp, vmap∘vjp and vmap∘jvp of the same ops against plain autograd
   / forward AD (tests/autodiff/test_opinfo_autodiff.py).
   ``python -m tests.support.opinfo_autodiff --help``.
+* ``layouts`` -- the physical layouts the sweeps present a batch in (stacked, batch dim moved,
+  transposed, channels_last, expanded) and the check of which inputs an op writes in place.
 * ``side_by_side`` -- the two sweeps as one table, functrans beside torch.func.
   ``python -m tests.support.side_by_side --help``.
 * ``misuse_catalogue`` -- common mistakes with their expected errors, run by

@@ -10,7 +10,11 @@ of DIFFERENT cotangents / primals+tangents.  Each check's outcome, per implement
 * ``pass``, ``error`` (the message is kept), ``wrong`` (a value differs: the test FAILS on it
   for functrans), or ``oracle_invalid`` (the reference itself fails, e.g. no forward-AD formula).
 
-Run ``python -m tests.support.opinfo_autodiff [--full] [--ops a,b]`` for the report.
+``--layouts`` runs the layout checks instead (``sweep_op_layouts``): vmap∘vjp and vmap∘jvp with
+the cotangents (primals and tangents) stacked at in_dims 0 and -1 and laid out in every layout
+of ``tests.support.layouts``, two samples per op, against the loop over contiguous examples.
+
+Run ``python -m tests.support.opinfo_autodiff [--full | --layouts] [--ops a,b]`` for the report.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import argparse
 import collections
 import time
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -28,6 +32,7 @@ import torch.utils._pytree as pytree
 import functrans as ft
 from tests.support.opinfo_sweep import (FAST_OPS, _is_deterministic_or_fails, all_ops, compare,
                                 flatten_sample, op_id, skip_reason)
+from tests.support import layouts
 from tests.support.oracles import perturb_like
 
 # vmap_vjp batches the cotangents, vmap_jvp primals and tangents together; the two mixed checks
@@ -67,8 +72,23 @@ def _ref_jvp(g, diff, tangents):
     return tuple(p for p, _ in res), tuple(t for _, t in res)
 
 
-def _batch(x, k):
-    return torch.stack([perturb_like(x, 100 * k + i) for i in range(B)])
+def _batch(x, k, bdim=0):
+    return torch.stack([perturb_like(x, 100 * k + i) for i in range(B)], bdim % (x.dim() + 1))
+
+
+def _example(b, bdim, i, fresh: bool = False):
+    """Example ``i`` of a batch as a fresh contiguous tensor (a slice of the batch has a
+    storage offset that as_strided & co. would read as part of the example, and its strides
+    must not matter: the oracle of every layout is the contiguous loop).  ``fresh``: the
+    example's own clone() instead, keeping its memory order, for the ops that address storage
+    (the as_strided family: see tests.support.opinfo_sweep.run_check)."""
+    e = b.select(bdim, i)
+    return e.clone() if fresh else e.clone(memory_format=torch.contiguous_format)
+
+
+def _loop(fn, bdim, *batches, fresh: bool = False):
+    outs = [fn(*[_example(b, bdim, i, fresh) for b in batches]) for i in range(B)]
+    return pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
 
 
 def _checks_for(g, diff, randomness: str = "error") -> Dict[str, tuple]:
@@ -84,10 +104,7 @@ def _checks_for(g, diff, randomness: str = "error") -> Dict[str, tuple]:
     n = len(diff)
 
     def loop(fn, *batches):
-        # Each example a fresh tensor (a slice of the batch has a storage offset that
-        # as_strided & co. would read as part of the example).
-        outs = [fn(*[b[i].clone() for b in batches]) for i in range(B)]
-        return pytree.tree_map(lambda *xs: torch.stack(xs), *outs)
+        return _loop(fn, 0, *batches)
 
     return {
         "vjp": (lambda m: m.vjp(g, *diff)[1](cts), lambda: _ref_vjp(g, diff, cts)),
@@ -104,6 +121,70 @@ def _checks_for(g, diff, randomness: str = "error") -> Dict[str, tuple]:
                                               randomness=randomness)(*X),
                              lambda: loop(lambda *a: _ref_vjp(g, a, cts), *X)),
     }
+
+
+# The layout checks (``--layouts``, ``-m sweep``): vmap∘vjp and vmap∘jvp with every batch (the
+# cotangents; the primals and tangents) stacked at in_dim 0 or -1 and laid out in each layout
+# of tests.support.layouts, against the loop over contiguous examples.
+LAYOUT_CHECKS = ("vmap_vjp", "vmap_jvp")
+LAYOUT_SAMPLES, LAYOUT_FAST_SAMPLES = 2, 1
+LAYOUT_FAST_OPS = ("matmul", "softmax")
+
+
+def _laid_out(xs, k, layout, bdim, written=frozenset()):
+    """Batches of DIFFERENT examples like ``xs`` (number ``k`` of ``_batch``), at ``bdim``, in
+    ``layout``; None when the layout applies to none of them."""
+    out, laid_any = [], layout == "stacked"
+    for j, x in enumerate(xs):
+        b = _batch(x, k, bdim)
+        laid = layouts.lay_out(b, layouts.bdim_positions(x.dim(), [bdim]), layout,
+                               expandable=j not in written)
+        laid_any = laid_any or laid is not None
+        out.append(b if laid is None else laid)
+    return tuple(out) if laid_any else None
+
+
+def _layout_checks_for(g, diff, layout: str, bdim: int, randomness: str = "error",
+                       written=frozenset(), fresh: bool = False) -> Dict[str, tuple]:
+    """check -> (run(impl, batches), reference(), batches) for the LAYOUT_CHECKS that the
+    layout applies to; ``run`` takes the batches, so that a wrong result can be rerun on the
+    same values laid out contiguously (the control of ``_judge_layout``)."""
+    outs0 = g(*diff)
+    cts = tuple(perturb_like(o, 7) for o in outs0)
+    tangents = tuple(perturb_like(d, 11) for d in diff)
+    CT = _laid_out(cts, 1, layout, bdim)
+    XT = _laid_out(diff + tangents, 2, layout, bdim,
+                   written | {j + len(diff) for j in written})
+    n = len(diff)
+    checks = {}
+    if CT is not None:
+        checks["vmap_vjp"] = (
+            lambda m, ct: m.vmap(m.vjp(g, *diff)[1], in_dims=bdim, randomness=randomness)(ct),
+            lambda: _loop(lambda *c: _ref_vjp(g, diff, c), bdim, *CT, fresh=fresh), CT)
+    if XT is not None:
+        checks["vmap_jvp"] = (
+            lambda m, xt: m.vmap(lambda *a: m.jvp(g, a[:n], a[n:]), in_dims=bdim,
+                                 randomness=randomness)(*xt),
+            lambda: _loop(lambda *a: _ref_jvp(g, a[:n], a[n:]), bdim, *XT, fresh=fresh), XT)
+    return checks
+
+
+def _judge_layout(results, key, run, ref, batches, impls) -> None:
+    """``_judge`` of one layout check, with its control: a result that is wrong in the
+    expanded layout (which repeats values) and also wrong on the same values laid out
+    contiguously is ``oracle_invalid`` (the values, not the layout: rank-deficient matrices)."""
+    _judge(results, key, lambda m: run(m, batches), ref, impls, vmapped=True)
+    if key[-1] != "expanded":
+        return
+    same_values = tuple(b.contiguous() for b in batches)
+    for impl in impls:
+        outs = results[(impl, *key)]
+        if not outs[-1].startswith("wrong"):
+            continue
+        control = collections.defaultdict(list)
+        _judge(control, key, lambda m: run(m, same_values), ref, (impl,), vmapped=True)
+        if control[(impl, *key)][-1].startswith("wrong"):
+            outs[-1] = "oracle_invalid: " + outs[-1]
 
 
 def _run(impl: str, run, vmapped: bool):
@@ -131,19 +212,10 @@ def _run(impl: str, run, vmapped: bool):
     return out, "fallback" if slow else "rule"
 
 
-def sweep_op(op, *, full: bool, impls: Sequence[str] = tuple(IMPLS)) -> Dict[str, object]:
-    """{"skipped": reason} or {(impl, check): [outcome or 'error: msg', ...]}"""
-    reason = skip_reason(op)
-    if reason:
-        return {"skipped": reason}
-    if not op.supports_autograd:
-        return {"skipped": "no autograd support"}
-    results: Dict[object, List[str]] = collections.defaultdict(list)
-    n_samples = FULL_SAMPLES if full else FAST_SAMPLES
-    try:
-        samples = list(op.sample_inputs("cpu", torch.float32))[:n_samples]
-    except Exception as e:  # pragma: no cover - OpInfo sample generation itself failed
-        return {"skipped": f"samples: {e}"}
+def _samples(op, n_samples: int):
+    """(flat sample, g, diff) for the first ``n_samples`` usable samples of ``op``: ``g`` takes
+    the sample's floating tensors (in float64) and returns the op's floating outputs."""
+    samples = list(op.sample_inputs("cpu", torch.float32))[:n_samples]
     for sample in samples:
         flat, why = flatten_sample(op, sample)
         if flat is None or not _is_deterministic_or_fails(flat):
@@ -159,7 +231,47 @@ def sweep_op(op, *, full: bool, impls: Sequence[str] = tuple(IMPLS)) -> Dict[str
                 args[i] = d
             return tuple(_float_outputs(_call(*args)))
 
-        diff = tuple(base[i] for i in pos)
+        yield flat, g, tuple(base[i] for i in pos)
+
+
+def _judge(results, key, run, ref, impls, vmapped: bool) -> None:
+    """Run one check by every implementation; append each outcome to ``results[(impl, *key)]``."""
+    try:
+        expected = ref()
+    except Exception:
+        for impl in impls:
+            results[(impl, *key)].append("oracle_invalid")
+        return
+    for impl in impls:
+        try:
+            actual, how = _run(impl, run, vmapped=vmapped)
+            diffmsg = compare(actual, expected)
+            results[(impl, *key)].append(how if diffmsg is None or
+                                         diffmsg.startswith("only non-finite")
+                                         else f"wrong: {diffmsg}")
+        except Exception as e:
+            results[(impl, *key)].append(f"error: {type(e).__name__}: "
+                                         + str(e).split(chr(10))[0][:160])
+
+
+def _skip(op) -> Optional[str]:
+    reason = skip_reason(op)
+    if reason:
+        return reason
+    return None if op.supports_autograd else "no autograd support"
+
+
+def sweep_op(op, *, full: bool, impls: Sequence[str] = tuple(IMPLS)) -> Dict[str, object]:
+    """{"skipped": reason} or {(impl, check): [outcome or 'error: msg', ...]}"""
+    reason = _skip(op)
+    if reason:
+        return {"skipped": reason}
+    results: Dict[object, List[str]] = collections.defaultdict(list)
+    try:
+        samples = list(_samples(op, FULL_SAMPLES if full else FAST_SAMPLES))
+    except Exception as e:  # pragma: no cover - OpInfo sample generation itself failed
+        return {"skipped": f"samples: {e}"}
+    for flat, g, diff in samples:
         try:
             if not g(*diff):
                 continue
@@ -169,22 +281,41 @@ def sweep_op(op, *, full: bool, impls: Sequence[str] = tuple(IMPLS)) -> Dict[str
         for name, (run, ref) in checks.items():
             if "jvp" in name and not op.supports_forward_ad:
                 continue
-            try:
-                expected = ref()
-            except Exception:
-                for impl in impls:
-                    results[(impl, name)].append("oracle_invalid")
+            _judge(results, (name,), run, ref, impls, vmapped=name.startswith("vmap"))
+    return dict(results) if results else {"skipped": "no usable sample"}
+
+
+def sweep_op_layouts(op, *, full: bool,
+                     impls: Sequence[str] = tuple(IMPLS)) -> Dict[object, object]:
+    """The layout checks: {"skipped": reason} or {(impl, check, layout): [outcome, ...]} over
+    in_dims 0 and -1 (``full``: LAYOUT_SAMPLES samples and every layout; else one sample and
+    the layouts other than "stacked")."""
+    reason = _skip(op)
+    if reason:
+        return {"skipped": reason}
+    results: Dict[object, List[str]] = collections.defaultdict(list)
+    try:
+        samples = list(_samples(op, LAYOUT_SAMPLES if full else LAYOUT_FAST_SAMPLES))
+    except Exception as e:  # pragma: no cover - OpInfo sample generation itself failed
+        return {"skipped": f"samples: {e}"}
+    for flat, g, diff in samples:
+        try:
+            if not g(*diff):
                 continue
-            for impl in impls:
+            written = layouts.written_inputs(g, diff)
+        except Exception:
+            continue
+        for layout in layouts.LAYOUTS if full else layouts.LAYOUTS[1:]:
+            for bdim in (0, -1):
                 try:
-                    actual, how = _run(impl, run, vmapped=name.startswith("vmap"))
-                    diffmsg = compare(actual, expected)
-                    results[(impl, name)].append(how if diffmsg is None or
-                                                 diffmsg.startswith("only non-finite")
-                                                 else f"wrong: {diffmsg}")
-                except Exception as e:
-                    results[(impl, name)].append(f"error: {type(e).__name__}: "
-                                                 + str(e).split(chr(10))[0][:160])
+                    checks = _layout_checks_for(g, diff, layout, bdim, flat.randomness, written,
+                                                fresh=op.name.startswith("as_strided"))
+                except Exception:
+                    continue
+                for name, (run, ref, batches) in checks.items():
+                    if "jvp" in name and not op.supports_forward_ad:
+                        continue
+                    _judge_layout(results, (name, layout), run, ref, batches, impls)
     return dict(results) if results else {"skipped": "no usable sample"}
 
 
@@ -252,16 +383,67 @@ def report(results: Dict[str, Dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+LAYOUT_COLUMNS = ("checks", "wrong", "error", "fallback", "oracle_invalid")
+
+
+def layout_counts(results) -> Dict[Tuple[str, str], Dict[str, collections.Counter]]:
+    """{(layout, check): {impl: Counter of CHECKS by outcome, plus 'checks'}} of
+    ``sweep_op_layouts`` results ('checks' excludes oracle_invalid)."""
+    out: Dict[Tuple[str, str], Dict[str, collections.Counter]] = {}
+    for res in results.values():
+        if "skipped" in res:
+            continue
+        for (impl, check, layout), outs in res.items():
+            cnt = out.setdefault((layout, check), {i: collections.Counter() for i in IMPLS})
+            for o in outs:
+                kind = o.split(":")[0]
+                cnt[impl][kind] += 1
+                if kind != "oracle_invalid":
+                    cnt[impl]["checks"] += 1
+    order = {name: i for i, name in enumerate(layouts.LAYOUTS)}
+    return dict(sorted(out.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])))
+
+
+def layout_report(results) -> str:
+    lines = ["OpInfo autodiff layout checks: CHECKS per layout (functrans | torch.func), in_dims",
+             "0 and -1, against the loop over contiguous examples", "",
+             f"  {'layout':<14}{'check':<10}" + "".join(f"{k:>18}" for k in LAYOUT_COLUMNS)]
+    for (layout, check), c in layout_counts(results).items():
+        label = {"vmap_vjp": "vmap∘vjp", "vmap_jvp": "vmap∘jvp"}[check]
+        lines.append(f"  {layout:<14}{label:<10}" + "".join(
+            f"{c['functrans'][k]:>9} | {c['torch.func'][k]:<6}" for k in LAYOUT_COLUMNS))
+    for impl in IMPLS:
+        wrong = [f"  {name} {check} layout={layout}: {o}" for name, res in results.items()
+                 if "skipped" not in res for (i, check, layout), outs in res.items()
+                 if i == impl for o in outs if o.startswith("wrong")]
+        lines += ["", f"{impl} wrong values:"] + (wrong or ["  none"])
+    errs = collections.Counter(
+        f"{layout}: " + o.split(":", 2)[-1].strip()[:110] for res in results.values()
+        if "skipped" not in res for (impl, _, layout), outs in res.items()
+        if impl == "functrans" for o in outs if o.startswith("error"))
+    lines += ["", "functrans errors (most common):"] + [f"  {n:>4}  {m}" for m, n in
+                                                        errs.most_common(15)]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--full", action="store_true")
+    p.add_argument("--layouts", action="store_true", help="the layout checks (sweep_op_layouts) "
+                   "of every op (or of --ops), instead of the checks above")
     p.add_argument("--ops", default="")
     p.add_argument("--report", default="")
     a = p.parse_args(argv)
     start = time.time()
-    ops = select(a.full, [s for s in a.ops.split(",") if s])
-    results = {op_id(op): sweep_op(op, full=a.full) for op in ops}
-    text = report(results) + f"\n\n{len(ops)} ops in {time.time() - start:.0f} s"
+    names = [s for s in a.ops.split(",") if s]
+    ops = select(a.full or a.layouts, names)
+    if a.layouts:
+        results = {op_id(op): sweep_op_layouts(op, full=True) for op in ops}
+        text = layout_report(results)
+    else:
+        results = {op_id(op): sweep_op(op, full=a.full) for op in ops}
+        text = report(results)
+    text += f"\n\n{len(ops)} ops in {time.time() - start:.0f} s"
     print(text)
     if a.report:
         with open(a.report, "w") as fh:

@@ -21,6 +21,15 @@ clone; ``as_strided``: on a copy of the storage where the example sits where exa
 while the batch holds the examples at its strides (stacked at the in_dim): so a rule
 whose answer depends on a batched operand's memory layout fails here (issue 25).
 
+The layout sweep (``--layouts``, ``Plan`` ``LAYOUT_SWEEP``) runs every op's checks once per
+layout of ``tests.support.layouts`` (stacked, batch dim moved to the other end of memory,
+transposed, channels_last, expanded: stride 0), on two samples and three in_dims choices (the
+first two also nested), against the same contiguous loop; a check runs in a layout only where
+some batched operand takes it (``Check.layout``; the report adds a table of checks per layout,
+functrans beside torch.func).  An expanded layout repeats values, which can make the answer
+ill-posed (a rank-deficient matrix's singular vectors): a check wrong there that is also wrong
+on the same values stacked contiguously is ``oracle_invalid``.
+
 A check whose loop oracle itself fails on the drawn examples (or disagrees about NaNs) is
 ``oracle_invalid``, not a functrans failure.  An op's outcome is the worst over its checks.  The
 same checks run with ``torch.vmap`` as the implementation (``rule`` / ``fallback``, detected by its
@@ -34,8 +43,8 @@ drawn on the CPU from a seeded generator and moved there, and the oracle, functr
 torch.vmap all run there; TF32 is off for the sweep (``oracles.float32_on_cuda``) so the float32
 tolerances hold.  An output on another device than the oracle's is ``wrong``.
 
-Run ``python -m tests.support.opinfo_sweep [--full] [--ops a,b] [--device cuda] [--report FILE]``
-for a report.
+Run ``python -m tests.support.opinfo_sweep [--full | --layouts] [--ops a,b] [--device cuda]
+[--report FILE]`` for a report.
 """
 from __future__ import annotations
 
@@ -57,6 +66,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import functrans
 from functrans.errors import UnsupportedUnderVmap
 from functrans.batching import decompositions
+from tests.support import layouts
 from tests.support.oracles import bdim_choices, float32_on_cuda, loop_oracle, perturb_like
 
 SIZE = 3          # batch size of the inner (or only) vmap
@@ -171,6 +181,8 @@ class FlatSample:
     # "same" for a sample that draws random numbers but whose values do not depend on the
     # seed (see _is_deterministic): vmap needs a randomness mode to run it at all.
     randomness: str = "error"
+    # The positions of the tensors the op writes in place (never presented expanded).
+    written: frozenset = frozenset()
 
 
 def flatten_sample(op, sample) -> Tuple[Optional[FlatSample], Optional[str]]:
@@ -247,6 +259,7 @@ class Check:
     outcome: str
     detail: str = ""
     via: Tuple[str, ...] = ()   # the ops that decomposed, or the first op with no rule
+    layout: str = "stacked"     # how the batches are laid out in memory (tests.support.layouts)
 
 
 def _first_line(e: BaseException) -> str:
@@ -390,17 +403,26 @@ def _where_example_zero_sits(a: torch.Tensor, first: int) -> torch.Tensor:
 
 
 def run_check(op, k, flat: FlatSample, dims: tuple, nested: bool,
-              with_torch: bool, device="cpu") -> List[Check]:
+              with_torch: bool, device="cpu", layout: str = "stacked") -> List[Check]:
+    """The check of one sample with these in_dims, its batches in ``layout``
+    (``tests.support.layouts``); no check (``[]``) where no batched operand takes the layout."""
     fixes = DOMAIN.get(op.name, {})
     levels = 2 if nested else 1
     sizes = [SIZE, OUTER_SIZE][:levels]
-    batched = []
+    batched, laid_out = [], layout == "stacked"
     for j, (t, d) in enumerate(zip(flat.tensors, dims)):
-        batched.append(t if d is None else
-                       build_batch(t, [d] * levels, sizes, fixes.get(j), itertools.count(),
-                                   device))
+        if d is None:
+            batched.append(t)
+            continue
+        b = build_batch(t, [d] * levels, sizes, fixes.get(j), itertools.count(), device)
+        laid = layouts.lay_out(b, layouts.bdim_positions(t.dim(), [d] * levels), layout,
+                               expandable=j not in flat.written)
+        laid_out = laid_out or laid is not None
+        batched.append(b if laid is None else laid)
+    if not laid_out:
+        return []
     base = dict(op=op_id(op), sample=k, shapes=[tuple(t.shape) for t in flat.tensors],
-                in_dims=dims, nested=nested)
+                in_dims=dims, nested=nested, layout=layout)
     example_call = flat.call
     if op.name in ("as_strided", "as_strided_copy"):
         # Storage-addressing views: a slice of the stacked batch sits at an offset that depends
@@ -436,8 +458,21 @@ def run_check(op, k, flat: FlatSample, dims: tuple, nested: bool,
                                       flat.randomness)
         if outcome == "wrong" and detail.startswith(NONFINITE):
             outcome = "oracle_invalid"
+        elif outcome == "wrong" and layout == "expanded":
+            # The control: the same values in the stacked layout (a contiguous batch).  Wrong
+            # there too, the values are what the oracle cannot judge (the expanded layout
+            # repeats values: a rank-deficient matrix's singular vectors), not the layout.
+            # (The other layouts keep the stacked check's values: their wrong is the layout's.)
+            same_values = [b.contiguous() if d is not None else b
+                           for b, d in zip(batched, dims)]
+            if runner(flat.call, dims, nested, same_values, expected,
+                      flat.randomness)[0] == "wrong":
+                outcome, detail = "oracle_invalid", ILL_POSED + detail
         results.append(Check(**base, impl=impl, outcome=outcome, detail=detail, via=via))
     return results
+
+
+ILL_POSED = "wrong on the same values stacked contiguously too (values the oracle cannot judge): "
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,20 +538,42 @@ def _is_deterministic_or_fails(flat: FlatSample) -> bool:
         return True
 
 
-def sweep_op(op, *, full: bool, with_torch: bool = True, device="cpu") -> OpResult:
-    """Every check of one op on ``device`` (the ops' own warnings are silenced)."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a sweep runs per op: ``samples`` samples, ``in_dims`` in_dims choices per sample
+    (``choices_for``), the first ``nested`` of them (all: None) also under vmap∘vmap, each in
+    every layout of ``layouts`` (``tests.support.layouts``)."""
+    samples: int
+    in_dims: int
+    nested: Optional[int]
+    layouts: Tuple[str, ...] = ("stacked",)
+
+
+FAST = Plan(FAST_SAMPLES, FAST_IN_DIMS, 2)
+FULL = Plan(FULL_SAMPLES, FULL_IN_DIMS, None)
+# The layout sweep (``--layouts``, ``-m sweep``): every layout, the all-0 and all--1 in_dims
+# plus one more choice, the first two also nested; "stacked" is its like-for-like baseline.
+LAYOUT_SWEEP = Plan(2, 3, 2, layouts.LAYOUTS)
+# The default run's layout slice: the non-stacked layouts on LAYOUT_FAST_OPS (among them the
+# ops whose rules were layout-dependent), one sample, in_dims all 0 and all -1, plain vmap only.
+LAYOUT_FAST = Plan(1, 2, 0, layouts.LAYOUTS[1:])
+LAYOUT_FAST_OPS = ("matmul", "cumsum", "nn.functional.max_unpool2d", "masked.median", "resize_")
+
+
+def sweep_op(op, *, full: bool, with_torch: bool = True, device="cpu",
+             plan: Optional[Plan] = None) -> OpResult:
+    """Every check of one op on ``device`` (the ops' own warnings are silenced), by ``plan``
+    (default: ``FULL`` if ``full`` else ``FAST``)."""
     with warnings.catch_warnings(), float32_on_cuda(device):
         warnings.simplefilter("ignore")
-        return _sweep_op(op, full, with_torch, str(device))
+        return _sweep_op(op, plan or (FULL if full else FAST), with_torch, str(device))
 
 
-def _sweep_op(op, full: bool, with_torch: bool, device="cpu") -> OpResult:
+def _sweep_op(op, plan: Plan, with_torch: bool, device="cpu") -> OpResult:
     res = OpResult(op_id(op))
     res.skipped = skip_reason(op, device)
     if res.skipped:
         return res
-    n_samples = FULL_SAMPLES if full else FAST_SAMPLES
-    cap = FULL_IN_DIMS if full else FAST_IN_DIMS
     torch.manual_seed(0)
     reasons = collections.Counter()
     flats = []
@@ -533,7 +590,7 @@ def _sweep_op(op, full: bool, with_torch: bool, device="cpu") -> OpResult:
                 reasons["non-deterministic output"] += 1
                 continue
             flats.append(flat)
-            if len(flats) == n_samples:
+            if len(flats) == plan.samples:
                 break
     except Exception as e:
         res.skipped = f"sample generation failed: {_first_line(e)}"
@@ -554,27 +611,29 @@ def _sweep_op(op, full: bool, with_torch: bool, device="cpu") -> OpResult:
         res.skipped = "sparse output"
         return res
     for k, flat in enumerate(flats):
-        choices = choices_for(len(flat.tensors), cap, salt=k)
+        if "expanded" in plan.layouts:
+            flat.written = layouts.written_inputs(flat.call, flat.tensors)
+        choices = choices_for(len(flat.tensors), plan.in_dims, salt=k)
         for c, dims in enumerate(choices):
-            res.checks += run_check(op, k, flat, dims, False, with_torch, device)
-            # vmap of vmap: every choice in the full sweep, the first two of each sample in
-            # the fast subset.
-            if full or c < 2:
-                res.checks += run_check(op, k, flat, dims, True, with_torch, device)
+            nested = (False, True) if plan.nested is None or c < plan.nested else (False,)
+            for layout in plan.layouts:
+                for n in nested:
+                    res.checks += run_check(op, k, flat, dims, n, with_torch, device, layout)
     return res
 
 
 def failure(res: OpResult, honour_xfails: bool = True) -> Optional[str]:
     """Why the sweep fails on this op, or None: any wrong value from functrans, and any
     functrans error on a check that torch.vmap passes (unless ``XFAILS`` explains it)."""
-    by_key = {(c.sample, c.in_dims, c.nested): c for c in res.checks if c.impl == "torch.vmap"}
+    by_key = {(c.sample, c.in_dims, c.nested, c.layout): c for c in res.checks
+              if c.impl == "torch.vmap"}
     errors = []
     for c in res.checks:
         if c.impl != "functrans":
             continue
         if c.outcome == "wrong":
             return f"WRONG {describe(c)}"
-        ref = by_key.get((c.sample, c.in_dims, c.nested))
+        ref = by_key.get((c.sample, c.in_dims, c.nested, c.layout))
         if c.outcome == "error" and ref is not None and ref.outcome in ("rule", "fallback"):
             errors.append(f"ERROR (torch.vmap passes) {describe(c)}")
     if errors and not (honour_xfails and res.op in XFAILS):
@@ -584,6 +643,8 @@ def failure(res: OpResult, honour_xfails: bool = True) -> Optional[str]:
 
 def describe(c: Check) -> str:
     kind = "vmap(vmap(op))" if c.nested else "vmap(op)"
+    if c.layout != "stacked":
+        kind += f" layout={c.layout}"
     return (f"{c.op} sample {c.sample} shapes={c.shapes} in_dims={c.in_dims} {kind}: "
             f"{c.detail}")
 
@@ -592,11 +653,11 @@ def describe(c: Check) -> str:
 # The report.
 
 def sweep(ops, *, full: bool, with_torch: bool = True, progress=None,
-          device="cpu") -> List[OpResult]:
+          device="cpu", plan: Optional[Plan] = None) -> List[OpResult]:
     out = []
     for op in ops:
         t0 = time.perf_counter()
-        out.append(sweep_op(op, full=full, with_torch=with_torch, device=device))
+        out.append(sweep_op(op, full=full, with_torch=with_torch, device=device, plan=plan))
         if progress:
             progress(out[-1], time.perf_counter() - t0)
     return out
@@ -631,6 +692,38 @@ def check_table(rows: Dict[str, Dict[str, collections.Counter]]) -> List[str]:
     return lines
 
 
+LAYOUT_COLUMNS = ("checks", "wrong", "error", "fallback", "oracle_invalid")
+
+
+def layout_counts(results: List[OpResult]) -> Dict[Tuple[str, str], Dict[str, collections.Counter]]:
+    """{(layout, 'vmap' or 'vmap∘vmap'): {impl: Counter of CHECKS by outcome, plus 'checks'}}
+    ('decomposition' counted as 'rule'; 'checks' excludes oracle_invalid)."""
+    out: Dict[Tuple[str, str], Dict[str, collections.Counter]] = {}
+    for r in results:
+        for c in r.checks:
+            key = (c.layout, "vmap∘vmap" if c.nested else "vmap")
+            impl = "torch.func" if c.impl == "torch.vmap" else c.impl
+            cnt = out.setdefault(key, {"functrans": collections.Counter(),
+                                       "torch.func": collections.Counter()})[impl]
+            cnt["rule" if c.outcome == "decomposition" else c.outcome] += 1
+            if c.outcome != "oracle_invalid":
+                cnt["checks"] += 1
+    order = {name: i for i, name in enumerate(layouts.LAYOUTS)}
+    return dict(sorted(out.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1])))
+
+
+def layout_table(results: List[OpResult]) -> List[str]:
+    """Rows of 'functrans | torch.func' CHECK counts per layout and transform."""
+    lines = [f"  {'layout':<14}{'transform':<11}" + "".join(f"{k:>18}" for k in LAYOUT_COLUMNS)]
+    for (layout, transform), counts in layout_counts(results).items():
+        lines.append(f"  {layout:<14}{transform:<11}" + "".join(
+            f"{counts['functrans'].get(k, 0):>9} | {counts['torch.func'].get(k, 0):<6}"
+            for k in LAYOUT_COLUMNS))
+    lines.append("  (checks per layout; each cell: functrans | torch.func; 'checks' excludes "
+                 "oracle_invalid)")
+    return lines
+
+
 def report(results: List[OpResult], seconds: Optional[float] = None,
            device: Optional[str] = None) -> str:
     lines = []
@@ -651,6 +744,8 @@ def report(results: List[OpResult], seconds: Optional[float] = None,
         lines.append(f"{o:<16}{ft.get(o, 0):>14}{tv.get(o, 0) if o != 'decomposition' else '-':>16}"
                      f"{checks_ft.get(o, 0):>18}"
                      f"{checks_tv.get(o, 0) if o != 'decomposition' else '-':>19}")
+    if any(c.layout != "stacked" for r in results for c in r.checks):
+        lines += ["", "per layout (tests.support.layouts):"] + layout_table(results)
     lines += ["", "per check (ops by worst outcome; rule includes decomposition):"]
     lines += check_table({"vmap": per_check(results, False),
                           "vmap∘vmap": per_check(results, True)})
@@ -714,6 +809,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--full", action="store_true", help="all of op_db, all in_dims, vmap(vmap)")
     p.add_argument("--ops", default="", help="comma-separated op names (OpInfo name or id)")
+    p.add_argument("--layouts", action="store_true", help="the layout sweep (LAYOUT_SWEEP: "
+                   "every batch also transposed, channels_last, expanded, batch dim moved)")
     p.add_argument("--report", default="", help="also write the report to this file")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.vmap column")
     p.add_argument("--device", default="cpu", help="where the samples and batches live and "
@@ -723,7 +820,7 @@ def main(argv=None) -> int:
     if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {a.device}: torch.cuda.is_available() is False")
     names = [n for n in a.ops.split(",") if n]
-    ops = select_ops(a.full, names)
+    ops = select_ops(a.full or a.layouts, names)
 
     def progress(r, s):
         if a.verbose:
@@ -733,7 +830,8 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     results = sweep(ops, full=a.full or bool(names), with_torch=not a.no_torch,
-                    progress=progress, device=a.device)
+                    progress=progress, device=a.device,
+                    plan=LAYOUT_SWEEP if a.layouts else None)
     text = report(results, time.perf_counter() - t0, device=a.device)
     print(text)
     if a.report:

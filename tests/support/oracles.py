@@ -39,6 +39,13 @@ def loop_oracle(f: Callable, in_dims: Sequence, size: int, *args, out_dim: int =
     return pytree.tree_unflatten(stacked, spec)
 
 
+def contiguous_loop(f: Callable, in_dims: Sequence, size: int, *args, **kwargs):
+    """``loop_oracle`` with every example made contiguous first: the answer vmap must give
+    whatever the layout of a batched operand (issue 25; tests.support.layouts)."""
+    return loop_oracle(lambda *a: f(*[t.contiguous() if isinstance(t, torch.Tensor) else t
+                                      for t in a]), in_dims, size, *args, **kwargs)
+
+
 def perturb_like(x: torch.Tensor, i: int) -> torch.Tensor:
     """A different example of the same shape/dtype as ``x`` (deterministic in ``i``)."""
     g = torch.Generator().manual_seed(1234 + 7919 * i)

@@ -38,7 +38,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ..helpers import ensure_bdim_front, move_bdim_to_front, normalize_dim, physical_dim
+from ..helpers import (ensure_bdim_front, move_bdim_to_front, normalize_dim, physical_dim,
+                       without_internal_overlap)
 from ..registry import Decline, registrar
 
 aten = torch.ops.aten
@@ -199,7 +200,14 @@ for _op, _sibling in ((aten.sum.default, aten.sum.dim_IntList),
 
 # ---- reductions over one dim -------------------------------------------------------------
 
+# median.dim / nanmedian.dim return uninitialised memory over a stride-0 (expanded) dim (See
+# Note [layout-dependent kernels]): they get a contiguous copy of such an input.
+_OVERLAP_SENSITIVE = frozenset({aten.median.dim, aten.nanmedian.dim})
+
+
 def _reduce_one(op, x, bdim, params):
+    if op in _OVERLAP_SENSITIVE:
+        x = without_internal_overlap(x)
     dim = params.get("dim")
     keepdim = params.get("keepdim", False)
     if dim is None:

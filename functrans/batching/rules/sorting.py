@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..helpers import ensure_bdim_front, logical_rank, normalize_dim, physical_dim
+from ..helpers import (ensure_bdim_front, logical_rank, normalize_dim, physical_dim,
+                       without_internal_overlap)
 from ..registry import Decline, registrar
 
 aten = torch.ops.aten
@@ -17,6 +18,8 @@ register_batch_rule = registrar("sorting")   # the rules below live in this file
 
 
 def _along(x, bdim, dim, fn):
+    # sort orders ties differently on an expanded input (See Note [layout-dependent kernels]).
+    x = without_internal_overlap(x)
     r = logical_rank(x, bdim)
     if r == 0:
         normalize_dim(dim, 0)

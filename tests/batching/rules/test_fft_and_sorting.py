@@ -41,3 +41,22 @@ def test_gradients_strict():
             got = ft.vmap(ft.grad(f))(x.detach())
         exp = torch.stack([torch.autograd.grad(f(a), a)[0] for a in x.detach().requires_grad_()])
         assert_same(got, exp, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("in_dim", [0, -1])
+def test_sort_of_expanded_examples_layout_expanded(in_dim):
+    """Layout ``expanded`` (issue 25): examples of 8,000 equal values, each expanded from one
+    value (stride 0), different per example.  Eager sort orders those ties differently on the
+    stride-0 input than on a contiguous one; sort and argsort give the contiguous loop's
+    indices (See Note [layout-dependent kernels])."""
+    from tests.support.oracles import contiguous_loop
+    B, n = 3, 8000
+    values = torch.tensor([0.5, -1.0, 2.0])
+    x = values[:, None].expand(B, n) if in_dim == 0 else values[None, :].expand(n, B)
+    for f in (lambda t: torch.sort(t), lambda t: torch.argsort(t),
+              lambda t: torch.sort(t, stable=True, descending=True)):
+        want = contiguous_loop(f, (in_dim,), B, x)
+        with ft.config.strict_fallback():
+            got = ft.vmap(f, in_dims=in_dim)(x)
+        assert_same(tuple(got) if isinstance(got, tuple) else got,
+                    tuple(want) if isinstance(want, tuple) else want)

@@ -281,6 +281,32 @@ def test_resize_as_matches_loop(f, args, dims):
     check_vmap(f, args, dims, size=3, strict=False)
 
 
+@pytest.mark.parametrize("layout", ["transposed", "batch_moved"])
+@pytest.mark.parametrize("in_dim", [0, -1])
+def test_resize_reads_each_example_in_its_logical_order(layout, in_dim):
+    """Layouts ``transposed`` and ``batch_moved`` (issue 25): eager ``resize_`` keeps a
+    tensor's storage and restrides it contiguously, so on a transposed example it reads the
+    elements in memory order (shown below); under vmap each example reads its logical order,
+    the contiguous loop's answer (the loop fallback gives aten.resize contiguous examples: See
+    Note [layout-dependent kernels])."""
+    from tests.support.layouts import bdim_positions, lay_out
+    from tests.support.oracles import contiguous_loop
+    gen = torch.Generator().manual_seed(11)
+    stacked = torch.stack([torch.randn(5, 4, 3, generator=gen) for _ in range(3)], in_dim)
+    x = lay_out(stacked, bdim_positions(3, [in_dim]), layout)
+    fns = [lambda a: a.clone().resize_(20, 3), lambda a: a.clone().resize_(6),
+           lambda a: a.clone().resize_as_(Y22)]
+    if layout == "transposed":   # eager: the example's clone keeps its transposed layout
+        example = x.select(in_dim, 0)
+        assert not torch.equal(fns[0](example), fns[0](example.contiguous()))
+    for f in fns:
+        want = contiguous_loop(f, (in_dim,), 3, x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = ft.vmap(f, in_dims=in_dim)(x)
+        assert_same(got, want)
+
+
 def test_resize_as_that_grows_a_batched_tensor_raises_clearly():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

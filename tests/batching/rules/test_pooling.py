@@ -100,3 +100,25 @@ def test_adaptive_avg_pool_to_one_of_channels_last_examples():
     assert_same(grads, torch.stack(loop), rtol=1e-5, atol=1e-6)
     with pytest.raises(UnsupportedUnderVmap, match="as_strided_"):
         ft.vmap(lambda t: t.clone().as_strided_((2, 2), (1, 2)))(torch.randn(3, 4))
+
+
+def test_max_unpool2d_with_duplicate_indices_layout_channels_last():
+    """Layout ``channels_last`` (issue 25): 4-d examples in channels_last memory format,
+    different per example, whose indices repeat an output position with different values.
+    Eager max_unpool2d's channels_last path resolves such duplicates in another order than its
+    contiguous path (which keeps each plane in order on one thread), differently from call to
+    call; the rule gives the contiguous loop's answer (See Note [layout-dependent kernels])."""
+    from tests.support.layouts import lay_out
+    from tests.support.oracles import contiguous_loop
+    g = torch.Generator().manual_seed(7)
+    B = 3
+    f = lambda v, i: F.max_unpool2d(v, i, 3, 2, 1, output_size=(3, 6))   # noqa: E731
+    for _ in range(10):
+        x = torch.randn(B, 1, 2, 2, 4, generator=g)
+        idx = torch.randint(0, 18, (B, 1, 2, 2, 4), generator=g)        # with duplicates
+        xs, ids = lay_out(x, [0], "channels_last"), lay_out(idx, [0], "channels_last")
+        assert xs.select(0, 0).is_contiguous(memory_format=torch.channels_last)
+        want = contiguous_loop(f, (0, 0), B, xs, ids)
+        with ft.config.strict_fallback():
+            got = ft.vmap(f)(xs, ids)
+        assert_same(got, want)

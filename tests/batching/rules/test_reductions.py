@@ -386,3 +386,24 @@ def test_hash_tensor():
     x = torch.randn(3, 4)
     for kwargs in ({}, {"dim": [1]}, {"dim": [0, 1], "keepdim": True}):
         check_vmap_all_bdims(lambda a: torch.ops.aten.hash_tensor(a, **kwargs), [x])
+
+
+@pytest.mark.parametrize("in_dim", [0, -1])
+@pytest.mark.parametrize("op", [torch.median, torch.nanmedian], ids=["median", "nanmedian"])
+def test_median_of_expanded_examples_layout_expanded(op, in_dim):
+    """Layout ``expanded`` (issue 25): each example expanded (stride 0) along the reduced dim,
+    different examples in the batch.  Eager median.dim / nanmedian.dim over a stride-0 dim
+    return uninitialised memory; the rule gives the contiguous loop's answer (See Note
+    [layout-dependent kernels]), for the dim overload and for the whole-tensor median."""
+    from tests.support.oracles import contiguous_loop
+    g = torch.Generator().manual_seed(3)
+    B = 3
+    base = torch.randn(B, 4, 1, generator=g)          # example k: 4 rows, each one value
+    x = base.expand(B, 4, 6)                          # ... repeated 6 times (stride 0)
+    if in_dim == -1:
+        x = base.permute(1, 2, 0).expand(4, 6, B)     # the batch innermost in memory
+    for f in (lambda t: op(t, 1), lambda t: op(t, 0), lambda t: op(t)):
+        want = contiguous_loop(f, (in_dim,), B, x)
+        with functrans.config.strict_fallback():
+            got = functrans.vmap(f, in_dims=in_dim)(x)
+        assert_same(got, want)

@@ -541,3 +541,22 @@ def test_as_strided_nested_and_refusals_of_pytorchs_test():
     with pytest.raises(UnsupportedUnderVmap, match="reads storage elements"):
         functrans.vmap(functrans.vmap(lambda t: t.as_strided([4, 4], [4, 1], 0)))(
             torch.randn(B0, B1, 3, 5))
+
+
+@pytest.mark.parametrize("op", ["as_strided", "as_strided_copy"])
+def test_as_strided_of_expanded_examples_layout_expanded(op):
+    """Layout ``expanded`` (issue 25): each example expanded (stride 0) from its first row,
+    different per example, in a batch that tiles its storage, one block of 9 elements per
+    example.  An example stands for a fresh tensor (its clone(): 9 elements, the row three
+    times), but its memory holds the row once: the window (4 storage elements) reaches past the
+    example's memory (3), which has no per-example meaning, so it is refused (an earlier rule
+    had windowed the block, a wrong answer); the same values stacked contiguously give the
+    loop's answer."""
+    fn = getattr(torch, op)
+    f = lambda t: fn(t, (2, 2), (1, 2), 0)   # noqa: E731
+    full = torch.randn(3, 3, 3, generator=torch.Generator().manual_seed(2))
+    x = full.narrow(1, 0, 1).expand(3, 3, 3)    # example k: full[k, 0] repeated 3 times
+    want = loop_oracle(lambda t: f(t.clone()), (0,), 3, x)
+    with pytest.raises(functrans.errors.UnsupportedUnderVmap, match="reads storage elements"):
+        functrans.vmap(f)(x)
+    assert_same(functrans.vmap(f)(x.contiguous()), want)
