@@ -15,7 +15,7 @@ recorded in that graph), under a forward-AD level the caller opened, on argument
 (``Trace.untraceable``) runs eagerly from then on, after one ``CompileWarning`` naming the op
 and the line (``strict=True``: ``UntraceableError`` instead).
 
-Imports: _levels, errors, compiler.guards, compiler.cache, compiler.tracer, compiler.tiering,
+Imports: _levels, errors, compiler.breaks, compiler.guards, compiler.cache, compiler.tracer, compiler.tiering,
 compiler.backends, compiler.passes.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 
 from .. import _levels
 from ..errors import CompileWarning, TransformArgumentError, UntraceableError, transform_call
-from . import backends, passes, tiering, tracer
+from . import backends, breaks, passes, tiering, tracer
 from .cache import CacheInfo, Entry, EntryInfo, GraphCache
 from .guards import (Unguardable, call_key, describe_difference, dynamic_key,
                      only_sizes_differ, shape_guard)
@@ -104,7 +104,9 @@ class CompiledFunction:
             return self._fn(*args, **kwargs)
         entry, stale = self._cache.lookup(key)
         if entry is not None:
-            return entry.outputs(entry.run(tensors))
+            if entry.reads is None:
+                return entry.outputs(entry.run(tensors))
+            return self._guarded(key, entry, args, kwargs, tensors)
         if stale is not None:
             return self._miss(key, args, kwargs, tensors, stale)
         if self._dynamic:
@@ -120,7 +122,7 @@ class CompiledFunction:
                 and only_sizes_differ(latest.key, key)):
             self._symbolic = True      # a second size: from now on, trace sizes symbolically
         out = self._miss(key, args, kwargs, tensors, why)
-        if self._symbolic and self._eager_reason is None:
+        if self._symbolic and self._eager_reason is None and not self._cache.read_variants(key):
             self._add_symbolic(key, args, kwargs, tensors, out)
         return out
 
@@ -175,16 +177,60 @@ class CompiledFunction:
         entries.append(entry)
         del entries[:-self._cache.size]
 
+    # ---------------------------------------------------------------- graph breaks
+    def _guarded(self, key: Any, entry: Entry, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                 tensors: List[torch.Tensor]) -> Any:
+        """Run a graph with breaks (compiler/breaks.py): segment by segment, each guard
+        comparing the value read with the trace's.  When one differs (no op after it ran; none
+        before it wrote outside the graph, and the random generators are put back where the
+        call found them), the variant of this key that read these values runs instead, or a
+        new one is traced: that trace is the eager call."""
+        rng = None
+        while True:
+            if rng is None and entry.save_rng:
+                rng = breaks.rng_state()
+            try:
+                out = entry.outputs(entry.run(tensors))
+            except breaks.ReadChanged as changed:
+                self._cache.note_read_change()
+                if rng is not None:
+                    breaks.set_rng_state(rng)
+                reads = cast(List[breaks.Read], entry.reads)
+                observed = [r.value for r in reads[:changed.index]] + [changed.value]
+                found = self._cache.variant_reading(key, observed)
+                if found is not None and found is not entry:
+                    entry = found
+                    continue
+                read = reads[changed.index]
+                why = (f"break {read.index + 1} ({read.what}) at {read.line} read "
+                       f"{changed.value!r}, the traced graphs {read.value!r}")
+                self._cache.note_hit(-1)            # counted as a miss: this call traces
+                return self._miss(key, args, kwargs, tensors, why, observed)
+            self._cache.promote(key, entry)
+            return out
+
     # ---------------------------------------------------------------- a miss
     def _miss(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
-              tensors: List[torch.Tensor], why: Optional[str]) -> Any:
+              tensors: List[torch.Tensor], why: Optional[str],
+              observed: Optional[List[Any]] = None) -> Any:
         with _TRACE_LOCK:
             if self._eager_reason is not None:      # another thread's trace gave up meanwhile
                 self._cache.note_eager(None)
                 return self._fn(*args, **kwargs)
-            entry, _ = self._cache.lookup(key)
+            if observed is None:
+                entry, _ = self._cache.lookup(key)
+            else:                                   # a break read a value no variant has
+                entry = self._cache.variant_reading(key, observed)
             if entry is not None:                   # another thread traced it meanwhile
-                return entry.outputs(entry.run(tensors))
+                if entry.reads is None:
+                    return entry.outputs(entry.run(tensors))
+                return self._guarded(key, entry, args, kwargs, tensors)
+            if observed is not None and len(self._cache.read_variants(key)) >= self._cache.size:
+                self._go_eager(f"{why}: {len(self._cache.read_variants(key))} graphs (the "
+                               "cache_size) were traced for the values read at its breaks, and "
+                               "this call read others")
+                self._cache.note_eager(None)
+                return self._fn(*args, **kwargs)
             try:
                 trace = tracer.trace(self._fn, args, kwargs, tensors)
             except Exception as exc:
@@ -201,8 +247,12 @@ class CompiledFunction:
             return trace.outputs
 
     def _make_entry(self, key: Any, trace: tracer.Trace, tensors: List[torch.Tensor]) -> Entry:
-        backend = self.backend
+        backend = self.backend if not trace.reads else "replay"
         notes: List[str] = []
+        if trace.reads and self.backend != "replay":
+            # a graph with breaks: its guards are Python calls between its segments
+            notes.append(f"replayed with a guard at each break (backend {self.backend!r} takes "
+                         "graphs without breaks)")
         try:
             run = backends.build(backend, trace, tensors)
         except backends.BackendUnavailable as exc:
@@ -223,6 +273,9 @@ class CompiledFunction:
                       trace.out_tensor_positions, passes.count_ops(gm.graph), trace.seconds,
                       backend, gm, getattr(run, "__source__", None))
         entry.notes.extend(notes)
+        if trace.reads:
+            entry.reads = list(trace.reads)
+            entry.save_rng = trace.random_before_read
         if isinstance(run, tiering.Tiered):
             entry.backend = "replay"
 

@@ -1,0 +1,132 @@
+"""Graph breaks as value guards: a value read into Python ends one segment of a traced graph.
+
+A real-mode trace (compiler/tracer.py) is the eager call, so a value the function reads back
+into Python (``.item()``, ``bool(t)``, ``if t:``: ``aten._local_scalar_dense``) is the real
+value, and the rest of the graph is recorded for that value.  An op whose output shape depends
+on the data (``nonzero``, ``masked_select``) is recorded with the size it had, and what follows
+bakes that size in.  Instead of giving the graph up, the tracer records each such point as a
+``Read`` and puts a guard node into the graph where the value was read: the graph up to a guard
+is one segment, whose last value is the tensor read (or the output whose size was read).
+
+What this module owns
+- ``Read``: one break: its position in the sequence of reads, the value (a Python scalar, or a
+  tuple of sizes), what was read and the user's line.
+- ``read_guard`` / ``size_guard``: the guard nodes' targets.  A replay runs the graph in
+  order; at a guard it reads the value again and compares it with the trace's (NaN equals NaN):
+  equal, the replay goes on into the next segment, which baked in that value; different, it
+  raises ``ReadChanged`` before any op of the next segment ran.  The compiled function
+  (compiler/function.py) then runs the variant traced for that value, or traces one: the
+  graphs of one key form a tree keyed by the sequence of values read.
+- ``prefix_effects(graph)``: for each guard, whether ops before it write into an argument or
+  captured tensor (a guard that fails after such a write could not be undone: the function runs
+  eagerly), and whether any draws random numbers (the global generators' states are saved
+  before such a replay and restored when a guard fails, so the retrace draws the same numbers an
+  eager call would: ``rng_state`` / ``set_rng_state``).
+
+Imports: compiler.passes.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from . import passes
+
+
+@dataclass
+class Read:
+    index: int            # position in the sequence of reads of one trace
+    value: Any            # the Python scalar read, or the tuple of sizes
+    what: str             # 'aten._local_scalar_dense (.item(), bool(), an `if` on a tensor)' ...
+    line: str             # the user's line
+
+    def describe(self) -> str:
+        return f"break {self.index + 1} at {self.line}: {self.what} read {self.value!r}"
+
+
+class ReadChanged(Exception):
+    """A replay read another value at guard ``index`` than its trace did (no op after the
+    guard ran)."""
+
+    def __init__(self, index: int, value: Any) -> None:
+        super().__init__(index, value)
+        self.index, self.value = index, value
+
+
+def same_value(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if a == b:
+        return True
+    if isinstance(a, float):
+        return math.isnan(a) and math.isnan(b)
+    if isinstance(a, complex):
+        return (a.real == b.real or (math.isnan(a.real) and math.isnan(b.real))) and \
+            (a.imag == b.imag or (math.isnan(a.imag) and math.isnan(b.imag)))
+    return False
+
+
+def read_guard(tensor: torch.Tensor, expected: Any, index: int) -> None:
+    """The guard node of a value read: ``tensor.item()`` must be ``expected``."""
+    value = torch.ops.aten._local_scalar_dense.default(tensor)
+    if not same_value(value, expected):
+        raise ReadChanged(index, value)
+
+
+def size_guard(tensor: torch.Tensor, expected: Tuple[int, ...], index: int) -> None:
+    """The guard node of a data-dependent size: ``tensor``'s shape must be ``expected``."""
+    shape = tuple(tensor.shape)
+    if shape != expected:
+        raise ReadChanged(index, shape)
+
+
+GUARDS = (read_guard, size_guard)
+
+
+def is_guard(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in GUARDS
+
+
+def prefix_effects(graph: fx.Graph) -> Tuple[Optional[Tuple[int, str]], bool]:
+    """(``(index, the write in words)`` of the first guard some op before which writes into an
+    argument or captured tensor, or None; whether a random op runs before some guard)."""
+    outside = {n for n in graph.nodes if n.op in ("placeholder", "get_attr")}
+    write: Optional[str] = None
+    random_before = False
+    random_seen = False
+    for node in graph.nodes:
+        if is_guard(node):
+            if write is not None:
+                return (node.args[2], write), random_before or random_seen
+            random_before = random_before or random_seen
+            continue
+        if passes.is_random(node):
+            random_seen = True
+        if not any(a in outside for a in node.all_input_nodes):
+            continue
+        if passes.is_write(node) and write is None:
+            write = str(node.target)
+        if node.op == "call_function" and (node.target is operator.getitem or (
+                passes.is_op(node) and (node.target.is_view
+                                        or node.target in passes.IDENTITIES))):
+            outside.add(node)
+    return None, random_before
+
+
+def rng_state() -> List[Any]:
+    """The global generators' states (CPU, and each CUDA device once CUDA is initialized)."""
+    states: List[Any] = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state_all())
+    return states
+
+
+def set_rng_state(states: List[Any]) -> None:
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state_all(states[1])
