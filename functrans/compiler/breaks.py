@@ -17,6 +17,9 @@ What this module owns
   raises ``ReadChanged`` before any op of the next segment ran.  The compiled function
   (compiler/function.py) then runs the variant traced for that value, or traces one: the
   graphs of one key form a tree keyed by the sequence of values read.
+- ``hoist(graph)``: each guard moved up to just after the value it reads, where no write
+  touches that value (a ``loss.item()`` returned after an in-place update is checked before
+  the update).
 - ``prefix_effects(graph)``: for each guard, whether ops before it write into an argument or
   captured tensor (a guard that fails after such a write could not be undone: the function runs
   eagerly), and whether any draws random numbers (the global generators' states are saved
@@ -90,6 +93,24 @@ GUARDS = (read_guard, size_guard)
 
 def is_guard(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in GUARDS
+
+
+def hoist(graph: fx.Graph) -> None:
+    """Move each guard up to just after the value it reads (and the guard before it), when no
+    op in the graph writes into that value's storage: the value there is the one read later,
+    and a guard that fails earlier has run fewer ops (no write, no random draw) after the
+    previous break.  The guards keep their order."""
+    touched = passes.touched_by_writes(graph)
+    previous: Optional[fx.Node] = None
+    for node in [n for n in graph.nodes if is_guard(n)]:
+        source = node.args[0]
+        if isinstance(source, fx.Node) and source not in touched:
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            anchor = source if previous is None or order[source] > order[previous] \
+                else previous
+            if order[anchor] < order[node]:
+                anchor.append(node)
+        previous = node
 
 
 def prefix_effects(graph: fx.Graph) -> Tuple[Optional[Tuple[int, str]], bool]:

@@ -156,6 +156,7 @@ def unreplayable_twice(gm: fx.GraphModule) -> "str | None":
 
 
 is_op, is_write, is_random, IDENTITIES = _is_op, _writes, _random, _IDENTITIES
+touched_by_writes = _touched_by_writes
 
 
 def count_ops(graph: fx.Graph) -> int:

@@ -146,10 +146,12 @@ class _Watcher:
             mode = get_proxy_mode()
             if mode is None:
                 raise LookupError("no make_fx tracer")
-            # an alias through the tracer: a tensor it does not track yet (captured state)
-            # becomes a constant as make_fx makes it; the replay's clean() removes the alias
-            node = tensor if traced else torch.ops.aten.alias.default(tensor)
-            proxy = get_proxy_slot(node, mode.tracer).proxy
+            slot = get_proxy_slot(tensor, mode.tracer, None)
+            if slot is None:
+                # an alias through the tracer: a tensor it does not track (captured state)
+                # becomes a constant as make_fx makes it; the replay's clean() drops the alias
+                slot = get_proxy_slot(torch.ops.aten.alias.default(tensor), mode.tracer)
+            proxy = slot.proxy
             mode.tracer.create_proxy("call_function", guard, (proxy, value, len(self.reads)),
                                      {})
         except Exception as exc:
@@ -285,6 +287,7 @@ def trace(fn, args: tuple, kwargs: dict, tensors: List[torch.Tensor], *,
     untraceable = watcher.first
     random_before_read = False
     if untraceable is None and watcher.reads:
+        breaks.hoist(gm.graph)
         written, random_before_read = breaks.prefix_effects(gm.graph)
         if written is not None:
             index, op = written
