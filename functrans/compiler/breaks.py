@@ -41,6 +41,10 @@ import torch.fx as fx
 from . import passes
 
 
+MAX_FLOAT_VALUES = 3    # a float read at one break that took more values: the function runs
+                        # eagerly (compiler/function.py); ints, bools, sizes: up to cache_size
+
+
 @dataclass
 class Read:
     index: int            # position in the sequence of reads of one trace

@@ -209,6 +209,27 @@ class CompiledFunction:
             self._cache.promote(key, entry)
             return out
 
+    def _too_many_values(self, key: Any, observed: List[Any]) -> Optional[str]:
+        """Why no further graph is traced for the values a call read at its breaks: the key
+        holds ``cache_size`` graphs with breaks already, or a float read at this break took
+        more than ``breaks.MAX_FLOAT_VALUES`` values (a loss, a norm: a new one every call)."""
+        variants = self._cache.read_variants(key)
+        if len(variants) >= self._cache.size:
+            return (f"{len(variants)} graphs (the cache_size) were traced for the values read "
+                    "at its breaks, and this call read others")
+        last = observed[-1]
+        if isinstance(last, (float, complex)):
+            index = len(observed) - 1
+            values = {repr(last)} | {
+                repr(cast(List[breaks.Read], e.reads)[index].value) for e in variants
+                if len(cast(List[breaks.Read], e.reads)) > index and all(
+                    breaks.same_value(r.value, v)
+                    for r, v in zip(cast(List[breaks.Read], e.reads), observed[:-1]))}
+            if len(values) > breaks.MAX_FLOAT_VALUES:
+                return (f"the float read there took {len(values)} values (a graph per value "
+                        "is not worth tracing)")
+        return None
+
     # ---------------------------------------------------------------- a miss
     def _miss(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
               tensors: List[torch.Tensor], why: Optional[str],
@@ -225,10 +246,9 @@ class CompiledFunction:
                 if entry.reads is None:
                     return entry.outputs(entry.run(tensors))
                 return self._guarded(key, entry, args, kwargs, tensors)
-            if observed is not None and len(self._cache.read_variants(key)) >= self._cache.size:
-                self._go_eager(f"{why}: {len(self._cache.read_variants(key))} graphs (the "
-                               "cache_size) were traced for the values read at its breaks, and "
-                               "this call read others")
+            refusal = None if observed is None else self._too_many_values(key, observed)
+            if refusal is not None:
+                self._go_eager(f"{why}: {refusal}")
                 self._cache.note_eager(None)
                 return self._fn(*args, **kwargs)
             try:

@@ -24,8 +24,7 @@ from torch._higher_order_ops.while_loop import while_loop
 
 import functrans
 from functrans.batching import control_flow
-from functrans.errors import (CompileWarning, FunctransError, UnsupportedUnderVmap,
-                              UntraceableError)
+from functrans.errors import CompileWarning, FunctransError, UnsupportedUnderVmap
 from tests.support.oracles import assert_same, loop_oracle
 
 

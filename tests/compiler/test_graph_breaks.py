@@ -231,6 +231,33 @@ def test_values_that_change_every_call_stop_at_cache_size():
     assert "cache_size" in info.eager_reason and _line(f, 1) in info.eager_reason
 
 
+def test_a_float_read_that_changes_every_call_runs_eagerly():
+    def f(x):
+        return x * x.sum().item()      # a new float every call: not worth a graph each
+    compiled = ft.compile(f)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(6):
+            x = torch.full((2,), float(i))
+            torch.testing.assert_close(compiled(x), f(x))
+    warned = [str(w.message) for w in caught if issubclass(w.category, CompileWarning)]
+    assert len(warned) == 1 and "took 4 values" in warned[0], warned
+    info = compiled.cache_info()
+    assert (info.misses, info.eager_calls) == (3, 3), info
+
+
+def test_int_reads_take_a_graph_each_up_to_cache_size():
+    def f(x):
+        return torch.zeros(int((x > 0).sum())) + x.sum()   # the size is the value read
+    compiled = ft.compile(f)
+    xs = [torch.tensor([1.0, -1, -1, -1]), torch.tensor([1.0, 1, -1, -1]),
+          torch.tensor([1.0, 1, 1, -1]), torch.tensor([1.0, 1, 1, 1])]
+    for x in xs + xs:
+        torch.testing.assert_close(compiled(x), f(x))
+    info = compiled.cache_info()
+    assert (info.misses, info.hits, info.eager_calls) == (4, 4, 0), info
+
+
 @pytest.mark.parametrize("backend", ["replay", "inductor", "tiered"])
 def test_backends_replay_graphs_with_breaks(backend):
     def f(x):
