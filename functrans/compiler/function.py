@@ -7,13 +7,24 @@ a thread that waited on it finds the entry another filed) traces (``tracer.trace
 the trace is the eager call and its outputs are the answer), hands the graph to the backend
 (``backends.build``) and files the entry.
 
+Graph breaks (compiler/breaks.py): a graph whose trace read values into Python (``.item()``,
+``bool()``, a data-dependent size) is replayed with a guard at each break (``_guarded``).  When
+a guard reads another value, the variant of the key that read the values seen so far runs
+instead, or a new variant is traced (a miss: that trace is the eager call); the variants of a
+key form a tree keyed by the values read.  No op after the failing guard ran, none before it
+wrote outside the graph (such a graph is refused when traced), and the random generators are
+put back to where the call found them, so the call's answer and effects are the eager call's.
+More values than a graph per value is worth (``cache_size`` variants, or a float read that took
+more than ``breaks.MAX_FLOAT_VALUES`` values) make the function run eagerly, with the reason.
+
 Runs eagerly, with the reason recorded in ``cache_info()``: inside another functrans transform
 (a compiled function called under ``vmap``/``grad``/``jvp`` sees wrappers or levels a graph
 traced outside them does not know), inside the trace of another compiled function (its ops are
 recorded in that graph), under a forward-AD level the caller opened, on arguments
 ``call_key`` cannot key.  A function that does something a graph cannot bake in
-(``Trace.untraceable``) runs eagerly from then on, after one ``CompileWarning`` naming the op
-and the line (``strict=True``: ``UntraceableError`` instead).
+(``Trace.untraceable``: a read it cannot guard, a write before a read, Python side effects)
+runs eagerly from then on, after one ``CompileWarning`` naming the op and the line
+(``strict=True``: ``UntraceableError`` instead).
 
 Imports: _levels, errors, compiler.breaks, compiler.guards, compiler.cache, compiler.tracer, compiler.tiering,
 compiler.backends, compiler.passes.
@@ -404,9 +415,12 @@ def compile(fn: Optional[Callable[..., Any]] = None, *, backend: str = "tiered",
     ``@compile`` or ``@compile(backend="inductor")``.  A call is keyed on the arguments'
     structure, tensor metadata (shape, strides, dtype, device, requires_grad), non-tensor
     values and ambient state (grad mode, default dtype, autocast); a new key traces again.
+    A value read into Python (``.item()``, a branch on a tensor's value) or a data-dependent
+    size (``nonzero``) is a graph break: the graph is replayed in segments with a guard on the
+    value read at each break, and another value runs (or traces) the graph for that value.
     Calls inside another functrans transform, and functions that do something a graph cannot
-    bake in (a branch on a tensor's value, ``.item()``), run eagerly (after one
-    ``CompileWarning``); ``cache_info()`` and ``explain`` say why.
+    bake in (``.tolist()``, an in-place write before a read, Python side effects), run eagerly
+    (after one ``CompileWarning``); ``cache_info()`` and ``explain`` say why.
 
     Args:
         fn: the function to compile; ``None`` returns a decorator with these settings.
@@ -417,7 +431,8 @@ def compile(fn: Optional[Callable[..., Any]] = None, *, backend: str = "tiered",
         dynamic: ``True``: trace sizes symbolically, so one graph serves every size its shape
             guards allow; ``False``: one graph per size; ``None``: static, symbolic after a
             second size is seen.
-        strict: raise ``UntraceableError`` instead of warning and running eagerly.
+        strict: raise ``UntraceableError`` instead of warning and running eagerly (graph
+            breaks are allowed).
         cache_size: how many graphs to keep (least recently used evicted beyond it).
 
     Returns:

@@ -8,13 +8,21 @@ What this module owns
   (the ops run on the real tensors while they are recorded), so its outputs are the first call's
   answer: nothing runs twice, side effects included.  With ``symbolic=True`` tensors are fake
   with symbolic sizes (one graph for every batch size) and nothing runs.
-- what a graph must never bake in, found while tracing (``_Watcher``): a value read back into
-  Python (``.item()``, ``bool()``, ``.tolist()``, ``.numpy()``: a branch on data), an op whose
-  output shape depends on data (tags ``data_dependent_output`` / ``dynamic_output_shape``), and
-  Python-side effects the graph cannot replay (``Captured`` state — what ``fn`` and its object
-  arguments reach — rebound or new tensors stored in it, ``.grad`` written by ``backward()``,
-  tensors made with ``requires_grad=True`` inside).  Each is reported once, with the op and
-  the user's source line, as ``Trace.untraceable``.
+- graph breaks (real mode, ``_Watcher``): a value read back into Python (``.item()``,
+  ``bool()``, an ``if`` on a tensor: ``aten._local_scalar_dense``) is answered from the real
+  tensor and recorded as a ``breaks.Read`` with a ``breaks.read_guard`` node at that point of
+  the graph; an op whose output shape depends on data (tag ``dynamic_output_shape``:
+  ``nonzero``, ``masked_select``) is followed by a ``breaks.size_guard`` on each output
+  (``Trace.reads``).  Guards are then hoisted above writes that do not touch the value read
+  (``breaks.hoist``); a graph that writes into an argument or captured tensor before a guard is
+  untraceable, one that draws random numbers before a guard is marked
+  (``Trace.random_before_read``).
+- what a graph must never bake in, found while tracing: a read it cannot guard (``.tolist()``,
+  ``.numpy()``, any read in a symbolic trace), and Python-side effects the graph cannot replay
+  (``Captured`` state — what ``fn`` and its object arguments reach — rebound or new tensors
+  stored in it, ``.grad`` written by ``backward()``, tensors made with ``requires_grad=True``
+  inside).  Each is reported once, with the op and the user's source line, as
+  ``Trace.untraceable``.
 - ``tracing()``: whether this thread is inside a trace (a compiled function called inside
   another's trace runs eagerly: its ops are recorded in the outer graph).
 
