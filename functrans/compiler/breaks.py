@@ -21,8 +21,8 @@ What this module owns
   touches that value (a ``loss.item()`` returned after an in-place update is checked before
   the update).
 - ``prefix_effects(graph)``: for each guard, whether ops before it write into an argument or
-  captured tensor (a guard that fails after such a write could not be undone: the function runs
-  eagerly), and whether any draws random numbers (the global generators' states are saved
+  captured tensor, or draw from a ``torch.Generator`` passed in (a guard that fails after such a
+  write could not be undone: the function runs eagerly), and whether any draws random numbers (the global generators' states are saved
   before such a replay and restored when a guard fails, so the retrace draws the same numbers an
   eager call would: ``rng_state`` / ``set_rng_state``).
 
@@ -132,10 +132,13 @@ def prefix_effects(graph: fx.Graph) -> Tuple[Optional[Tuple[int, str]], bool]:
             continue
         if passes.is_random(node):
             random_seen = True
+            if node.kwargs.get("generator") is not None and write is None:
+                # a torch.Generator of the caller's: its state is not restored on a failure
+                write = f"{node.target} drawing from a torch.Generator"
         if not any(a in outside for a in node.all_input_nodes):
             continue
         if passes.is_write(node) and write is None:
-            write = str(node.target)
+            write = f"{node.target} into an argument or a captured tensor"
         if node.op == "call_function" and (node.target is operator.getitem or (
                 passes.is_op(node) and (node.target.is_view
                                         or node.target in passes.IDENTITIES))):

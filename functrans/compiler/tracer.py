@@ -299,7 +299,7 @@ def trace(fn, args: tuple, kwargs: dict, tensors: List[torch.Tensor], *,
         written, random_before_read = breaks.prefix_effects(gm.graph)
         if written is not None:
             index, op = written
-            untraceable = (f"{_fn_name(fn)} writes into an argument or a captured tensor ({op}) "
+            untraceable = (f"{_fn_name(fn)} writes outside its graph ({op}) "
                            f"before it reads a value at {watcher.reads[index].line} "
                            f"({watcher.reads[index].what}); a call that reads another value "
                            "there could not undo the write")

@@ -215,6 +215,18 @@ def test_write_before_a_break_runs_eagerly_with_the_reason():
         ft.compile(f, strict=True)(torch.ones(3))
 
 
+def test_a_generator_drawn_before_a_break_runs_eagerly():
+    gen = torch.Generator().manual_seed(0)
+
+    def f(x):
+        noise = torch.rand(3, generator=gen)     # its state could not be put back
+        return x + noise if noise.sum() > 1.5 else x - noise
+    compiled = ft.compile(f)
+    with pytest.warns(CompileWarning, match="torch.Generator"):
+        compiled(torch.zeros(3))
+    assert "torch.Generator" in compiled.cache_info().eager_reason
+
+
 def test_values_that_change_every_call_stop_at_cache_size():
     def f(x):
         return x * x.sum().item()
