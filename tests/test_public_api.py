@@ -635,12 +635,16 @@ def _compile_params():
     with pytest.raises(TransformArgumentError, match="dynamic"):
         functrans.compile(f, dynamic="yes")
 
-    def branch(x):
+    def branch(x):                  # a graph break: allowed under strict=True
         return x * 2 if x.sum() > 0 else x
-    with pytest.warns(functrans.CompileWarning, match="_local_scalar_dense"):
-        _close(functrans.compile(branch)(x), branch(x))
+    _close(functrans.compile(branch, strict=True)(x), branch(x))
+
+    def read_back(x):               # a read no graph can guard
+        return x * len(x.tolist())
+    with pytest.warns(functrans.CompileWarning, match="tolist"):
+        _close(functrans.compile(read_back)(x), read_back(x))
     with pytest.raises(functrans.UntraceableError, match="test_public_api.py"):
-        functrans.compile(branch, strict=True)(x)
+        functrans.compile(read_back, strict=True)(x)
     with pytest.raises(TransformArgumentError, match="strict"):
         functrans.compile(f, strict=1)
     small = functrans.compile(f, cache_size=1, dynamic=False)
