@@ -222,9 +222,9 @@ def test_a_generator_drawn_before_a_break_runs_eagerly():
         noise = torch.rand(3, generator=gen)     # its state could not be put back
         return x + noise if noise.sum() > 1.5 else x - noise
     compiled = ft.compile(f)
-    with pytest.warns(CompileWarning, match="torch.Generator"):
+    with pytest.warns(CompileWarning, match="Generator"):   # (torch 2.11: make_fx refuses it)
         compiled(torch.zeros(3))
-    assert "torch.Generator" in compiled.cache_info().eager_reason
+    assert "Generator" in compiled.cache_info().eager_reason
 
 
 def test_values_that_change_every_call_stop_at_cache_size():
