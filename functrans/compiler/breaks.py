@@ -20,6 +20,9 @@ What this module owns
 - ``hoist(graph)``: each guard moved up to just after the value it reads, where no write
   touches that value (a ``loss.item()`` returned after an in-place update is checked before
   the update).
+- ``split(graph_module, make_run)`` → ``Segmented``: the graph cut at its guards into one graph
+  module per segment (the tiered backend replays each, and has Inductor compile a segment that
+  stays hot), run in order with the guards between them.
 - ``prefix_effects(graph)``: for each guard, whether ops before it write into an argument or
   captured tensor, or draw from a ``torch.Generator`` passed in (a guard that fails after such a
   write could not be undone: the function runs eagerly), and whether any draws random numbers (the global generators' states are saved
@@ -158,3 +161,102 @@ def set_rng_state(states: List[Any]) -> None:
     torch.set_rng_state(states[0])
     if len(states) > 1:
         torch.cuda.set_rng_state_all(states[1])
+
+
+class Segmented:
+    """A graph with breaks run segment by segment, each segment its own callable (the tiered
+    backend's: replayed, and compiled by Inductor in the background once that segment is hot),
+    the guards between them.  ``steps``: ``(run, input nodes, output nodes)`` for a segment,
+    ``(guard, node read, expected, index)`` for a break; values cross segments in a dict keyed
+    by the original graph's nodes."""
+
+    def __init__(self, placeholders: List[fx.Node], steps: List[tuple], outputs: List[Any],
+                 runs: List[Any], constants: dict) -> None:
+        self._placeholders, self._steps, self._outputs = placeholders, steps, outputs
+        self._constants = constants   # get_attr node -> the tensor (captured: by identity)
+        self.runs = runs        # the segments' callables (their state() and wait())
+
+    def __call__(self, inputs: list) -> list:
+        env = dict(self._constants)
+        env.update(zip(self._placeholders, inputs))
+        for step in self._steps:
+            if len(step) == 3:
+                run, ins, outs = step
+                env.update(zip(outs, run([env[n] for n in ins])))
+            else:
+                guard, node, expected, index = step
+                guard(env[node], expected, index)
+        return [env[o] if isinstance(o, fx.Node) else o for o in self._outputs]
+
+    def state(self) -> str:
+        states = [getattr(run, "state", lambda: "")() for run in self.runs]
+        return "segments: " + " | ".join(s.replace("tier: ", "") for s in states)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return all(getattr(run, "wait", lambda t: True)(timeout) for run in self.runs)
+
+
+def split(gm: fx.GraphModule, make_run: Any) -> Optional[Segmented]:
+    """``gm`` (a cleaned graph with guards) as a ``Segmented``: each stretch between guards a
+    graph module of its own (constants copied in, metadata kept), run by ``make_run(module)``;
+    None when a value crossing a break is not a tensor (the whole graph is replayed then)."""
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    output = next(n for n in nodes if n.op == "output")
+    segment_of: dict = {}
+    stretches: List[List[fx.Node]] = [[]]
+    guards: List[fx.Node] = []
+    for node in nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if is_guard(node):
+            guards.append(node)
+            stretches.append([])
+            continue
+        segment_of[node] = len(stretches) - 1
+        stretches[-1].append(node)
+
+    def later(user: fx.Node, index: int) -> bool:
+        return user is output or is_guard(user) or segment_of.get(user, -1) > index
+
+    steps: List[tuple] = []
+    runs: List[Any] = []
+    for index, stretch in enumerate(stretches):
+        if stretch:
+            graph = fx.Graph()
+            env: dict = {}
+            inputs: List[fx.Node] = []
+
+            def arg(a: fx.Node) -> fx.Node:
+                if a not in env:
+                    if a.op == "get_attr":
+                        env[a] = graph.get_attr(a.target)
+                    else:                      # an argument, or a value of an earlier segment
+                        if not isinstance(a.meta.get("val"), torch.Tensor):
+                            raise _NotTensor(a)
+                        env[a] = graph.placeholder(f"in{len(inputs)}")
+                        inputs.append(a)
+                    env[a].meta = dict(a.meta)
+                return env[a]
+            try:
+                for node in stretch:
+                    env[node] = graph.node_copy(node, arg)
+            except _NotTensor:
+                return None
+            outs = [n for n in stretch if any(later(u, index) for u in n.users)]
+            if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in outs):
+                return None
+            graph.output([env[n] for n in outs])
+            module = fx.GraphModule(gm, graph)
+            run = make_run(module)
+            runs.append(run)
+            steps.append((run, inputs, outs))
+        if index < len(guards):
+            guard = guards[index]
+            steps.append((guard.target, guard.args[0], guard.args[1], guard.args[2]))
+    constants = {n: getattr(gm, n.target) for n in nodes if n.op == "get_attr"}
+    return Segmented(placeholders, steps, list(output.args[0]), runs, constants)
+
+
+class _NotTensor(Exception):
+    pass

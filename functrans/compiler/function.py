@@ -280,10 +280,6 @@ class CompiledFunction:
     def _make_entry(self, key: Any, trace: tracer.Trace, tensors: List[torch.Tensor]) -> Entry:
         backend = self.backend if not trace.reads else "replay"
         notes: List[str] = []
-        if trace.reads and self.backend != "replay":
-            # a graph with breaks: its guards are Python calls between its segments
-            notes.append(f"replayed with a guard at each break (backend {self.backend!r} takes "
-                         "graphs without breaks)")
         try:
             run = backends.build(backend, trace, tensors)
         except backends.BackendUnavailable as exc:
@@ -298,6 +294,21 @@ class CompiledFunction:
         if backend == "tiered":
             run = tiering.Tiered(run, cast(torch.fx.GraphModule, trace.graph_module),
                                  backends.build_inductor_from)
+        elif trace.reads and self.backend == "tiered":
+            # a graph with breaks: each segment its own graph, tiered on its own, the guards
+            # between them (the replay of the whole graph where it cannot be cut)
+            segmented = self._segments(trace)
+            if segmented is not None:
+                run = segmented
+                notes.append("each segment replayed, and compiled by Inductor in the "
+                             "background once it stays hot")
+            else:
+                notes.append("replayed whole with a guard at each break (a value crossing a "
+                             "break is not a tensor)")
+        elif trace.reads and self.backend != "replay":
+            # a graph with breaks: its guards are Python calls between its segments
+            notes.append(f"replayed with a guard at each break (backend {self.backend!r} takes "
+                         "graphs without breaks)")
         gm = cast(torch.fx.GraphModule, trace.graph_module)  # an entry is made of a graph
         constants = [c for c in trace.constants.values() if isinstance(c, torch.Tensor)]
         entry = Entry(key, run, trace.captured, constants, trace.out_spec, trace.out_leaves,
@@ -307,6 +318,16 @@ class CompiledFunction:
         if trace.reads:
             entry.reads = list(trace.reads)
             entry.save_rng = trace.random_before_read
+        if isinstance(run, breaks.Segmented):
+            entry.backend = "replay"
+            segments = [r for r in run.runs if isinstance(r, tiering.Tiered)]
+
+            def segment_promoted(tier: str, why: str, entry: Entry = entry) -> None:
+                tiers = {r.tier for r in segments}
+                entry.backend = "inductor" if tiers == {"inductor"} else \
+                    "replay+inductor" if "inductor" in tiers else "replay"
+            for segment in segments:
+                segment.on_change = segment_promoted
         if isinstance(run, tiering.Tiered):
             entry.backend = "replay"
 
@@ -314,6 +335,19 @@ class CompiledFunction:
                 entry.backend = tier
             run.on_change = promoted
         return entry
+
+    @staticmethod
+    def _segments(trace: tracer.Trace) -> Optional[breaks.Segmented]:
+        gm = cast(torch.fx.GraphModule, trace.graph_module)   # cleaned by backends.build
+
+        def make_run(module: torch.fx.GraphModule) -> tiering.Tiered:
+            return tiering.Tiered(backends.replay.build(module,
+                                                        keep_autograd=trace.needs_autograd),
+                                  module, backends.build_inductor_from)
+        try:
+            return breaks.split(gm, make_run)
+        except Exception:       # pragma: no cover - a graph fx cannot cut: replayed whole
+            return None
 
     def _with_replay_fallback(self, run: Callable[[List[Any]], List[Any]], trace: tracer.Trace,
                               tensors: List[torch.Tensor], notes: List[str]
@@ -371,7 +405,7 @@ class CompiledFunction:
         (backend ``"tiered"``); whether none is.  Calls never need this: they replay meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for entry in self._cache.all_entries():
-            if isinstance(entry.run, tiering.Tiered):
+            if isinstance(entry.run, (tiering.Tiered, breaks.Segmented)):
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if not entry.run.wait(left):
                     return False

@@ -200,6 +200,11 @@ class Tiered:
             self.on_change(self._tier, why)
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def tier(self) -> str:
+        """'replay', 'compiling' or 'inductor': what serves the entry now."""
+        return self._tier
+
     def state(self) -> str:
         """The tier serving the entry now, and why (for ``cache_info()``)."""
         if self._tier == "compiling" and self._candidate is not None:

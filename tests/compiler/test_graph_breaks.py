@@ -279,8 +279,42 @@ def test_backends_replay_graphs_with_breaks(backend):
         torch.testing.assert_close(compiled(x), f(x))
     info = compiled.cache_info()
     assert [e.backend for e in info.entries] == ["replay", "replay"], info
-    if backend != "replay":
+    if backend == "inductor":
         assert all("guard at each break" in e.notes[0] for e in info.entries), info
+    if backend == "tiered":
+        assert all("each segment replayed" in e.notes[0] for e in info.entries), info
+        assert all(e.tier.startswith("segments: replay") for e in info.entries), info
+
+
+def test_tiered_segments_move_to_inductor_on_their_own(monkeypatch):
+    from functrans.compiler import tiering
+    monkeypatch.setattr(tiering, "HOT_CALLS", 3)
+    monkeypatch.setattr(tiering, "HOT_SECONDS", 0.0)
+    monkeypatch.setattr(tiering, "TRIAL_CALLS", 2)
+    w = torch.randn(4, 3)
+
+    def loss(w, x, y):
+        return ((torch.tanh(x @ w) - y) ** 2).sum()
+
+    def step(w, x, y):
+        g = ft.vmap(ft.grad(loss), in_dims=(None, 0, 0))(w, x, y)
+        if y.sum() > 0:             # a break between two segments of work
+            return torch.sin(g).sum(0)
+        return torch.cos(g).sum(0)
+    compiled = ft.compile(step)
+    x, y = torch.randn(5, 4), torch.rand(5, 3)
+    for _ in range(5):
+        torch.testing.assert_close(compiled(w, x, y), step(w, x, y))
+    assert compiled.wait(timeout=300)
+    monkeypatch.setattr(tiering.time, "perf_counter", lambda: 0.0)   # trials measure as instant
+    for _ in range(4):
+        torch.testing.assert_close(compiled(w, x, y), step(w, x, y))
+    monkeypatch.undo()
+    torch.testing.assert_close(compiled(w, x, -y), step(w, x, -y))  # the other branch: traced
+    info = compiled.cache_info()
+    assert "inductor" in info.entries[0].tier and info.entries[0].segments == 2, info
+    assert info.entries[0].backend in ("inductor", "replay+inductor"), info
+    assert info.eager_calls == 0, info
 
 
 def test_breaks_with_dynamic_sizes():
