@@ -16,6 +16,8 @@ wrote outside the graph (such a graph is refused when traced), and the random ge
 put back to where the call found them, so the call's answer and effects are the eager call's.
 More values than a graph per value is worth (``cache_size`` variants, or a float read that took
 more than ``breaks.MAX_FLOAT_VALUES`` values) make the function run eagerly, with the reason.
+Under the tiered backend each segment is its own graph, tiered on its own (``breaks.split``);
+the pinned inductor/cudagraphs backends replay a graph with breaks whole.
 
 Runs eagerly, with the reason recorded in ``cache_info()``: inside another functrans transform
 (a compiled function called under ``vmap``/``grad``/``jvp`` sees wrappers or levels a graph

@@ -9,6 +9,9 @@ What this module owns
   ``state()`` says which tier serves the entry and why (``cache_info()`` shows it);
   ``wait(timeout)`` blocks until no compilation of this entry is pending (benchmarks, tests).
 
+A graph with breaks (compiler/breaks.py) gets one ``Tiered`` per segment, so each segment
+goes to Inductor on its own once it is hot.
+
 The life of an entry: ``replay`` → after ``HOT_CALLS`` calls and ``HOT_SECONDS`` of replay time,
 the graph is copied and handed to the compiler thread with clones of this call's inputs
 (``compiling``) → ready: the next call runs both (when the graph is pure: no writes into its
