@@ -189,7 +189,8 @@ class Segmented:
         return [env[o] if isinstance(o, fx.Node) else o for o in self._outputs]
 
     def state(self) -> str:
-        states = [getattr(run, "state", lambda: "")() for run in self.runs]
+        states = [run.state() if hasattr(run, "state") else
+                  "replay (it writes into a value of an earlier segment)" for run in self.runs]
         return "segments: " + " | ".join(s.replace("tier: ", "") for s in states)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
@@ -198,8 +199,9 @@ class Segmented:
 
 def split(gm: fx.GraphModule, make_run: Any) -> Optional[Segmented]:
     """``gm`` (a cleaned graph with guards) as a ``Segmented``: each stretch between guards a
-    graph module of its own (constants copied in, metadata kept), run by ``make_run(module)``;
-    None when a value crossing a break is not a tensor (the whole graph is replayed then)."""
+    graph module of its own (constants copied in, metadata kept), run by ``make_run(module,
+    replay_only)`` (``replay_only``: the segment writes into a value an earlier one made); None
+    when a value crossing a break is not a tensor (the whole graph is replayed then)."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output = next(n for n in nodes if n.op == "output")
@@ -225,30 +227,31 @@ def split(gm: fx.GraphModule, make_run: Any) -> Optional[Segmented]:
         if stretch:
             graph = fx.Graph()
             env: dict = {}
-            inputs: List[fx.Node] = []
-
-            def arg(a: fx.Node) -> fx.Node:
-                if a not in env:
-                    if a.op == "get_attr":
-                        env[a] = graph.get_attr(a.target)
-                    else:                      # an argument, or a value of an earlier segment
-                        if not isinstance(a.meta.get("val"), torch.Tensor):
-                            raise _NotTensor(a)
-                        env[a] = graph.placeholder(f"in{len(inputs)}")
-                        inputs.append(a)
-                    env[a].meta = dict(a.meta)
-                return env[a]
-            try:
-                for node in stretch:
-                    env[node] = graph.node_copy(node, arg)
-            except _NotTensor:
+            members = set(stretch)
+            needed = list(dict.fromkeys(a for node in stretch for a in node.all_input_nodes
+                                        if a not in members))
+            # placeholders first, then constants: the arguments and earlier segments' values
+            inputs = [a for a in needed if a.op != "get_attr"]
+            if not all(isinstance(a.meta.get("val"), torch.Tensor) for a in inputs):
                 return None
+            for i, a in enumerate(inputs):
+                env[a] = graph.placeholder(f"in{i}")
+                env[a].meta = dict(a.meta)
+            for a in needed:
+                if a.op == "get_attr":
+                    env[a] = graph.get_attr(a.target)
+                    env[a].meta = dict(a.meta)
+            for node in stretch:
+                env[node] = graph.node_copy(node, lambda a: env[a])
             outs = [n for n in stretch if any(later(u, index) for u in n.users)]
             if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in outs):
                 return None
             graph.output([env[n] for n in outs])
             module = fx.GraphModule(gm, graph)
-            run = make_run(module)
+            # a segment writing into a value an earlier segment made (maybe a view of another
+            # crossing value) stays replayed: Inductor sees its inputs as separate tensors
+            crossing = any(a.op != "placeholder" for a in inputs)
+            run = make_run(module, crossing and passes.writes_outside(module) is not None)
             runs.append(run)
             steps.append((run, inputs, outs))
         if index < len(guards):
@@ -257,6 +260,3 @@ def split(gm: fx.GraphModule, make_run: Any) -> Optional[Segmented]:
     constants = {n: getattr(gm, n.target) for n in nodes if n.op == "get_attr"}
     return Segmented(placeholders, steps, list(output.args[0]), runs, constants)
 
-
-class _NotTensor(Exception):
-    pass

@@ -216,7 +216,7 @@ class CompiledFunction:
                     continue
                 read = reads[changed.index]
                 why = (f"break {read.index + 1} ({read.what}) at {read.line} read "
-                       f"{changed.value!r}, the traced graphs {read.value!r}")
+                       f"{changed.value!r} where the graph traced read {read.value!r}")
                 self._cache.note_hit(-1)            # counted as a miss: this call traces
                 return self._miss(key, args, kwargs, tensors, why, observed)
             self._cache.promote(key, entry)
@@ -342,10 +342,11 @@ class CompiledFunction:
     def _segments(trace: tracer.Trace) -> Optional[breaks.Segmented]:
         gm = cast(torch.fx.GraphModule, trace.graph_module)   # cleaned by backends.build
 
-        def make_run(module: torch.fx.GraphModule) -> tiering.Tiered:
-            return tiering.Tiered(backends.replay.build(module,
-                                                        keep_autograd=trace.needs_autograd),
-                                  module, backends.build_inductor_from)
+        def make_run(module: torch.fx.GraphModule, replay_only: bool) -> Any:
+            replay = backends.replay.build(module, keep_autograd=trace.needs_autograd)
+            if replay_only:
+                return replay
+            return tiering.Tiered(replay, module, backends.build_inductor_from)
         try:
             return breaks.split(gm, make_run)
         except Exception:       # pragma: no cover - a graph fx cannot cut: replayed whole
