@@ -25,9 +25,11 @@ What this module owns
   stays hot), run in order with the guards between them.
 - ``prefix_effects(graph)``: for each guard, whether ops before it write into an argument or
   captured tensor, or draw from a ``torch.Generator`` passed in (a guard that fails after such a
-  write could not be undone: the function runs eagerly), and whether any draws random numbers (the global generators' states are saved
-  before such a replay and restored when a guard fails, so the retrace draws the same numbers an
-  eager call would: ``rng_state`` / ``set_rng_state``).
+  write could not be undone: the function runs eagerly), and whether any draws random numbers
+  (the global generators' states are saved before such a replay and restored when a guard
+  fails, so the retrace draws the same numbers an eager call would: ``rng_state`` /
+  ``set_rng_state``).
+- ``Segmented``: the runner ``split`` returns (``state()`` and ``wait()`` over its segments).
 
 Imports: compiler.passes.
 """

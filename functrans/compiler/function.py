@@ -28,8 +28,8 @@ recorded in that graph), under a forward-AD level the caller opened, on argument
 runs eagerly from then on, after one ``CompileWarning`` naming the op and the line
 (``strict=True``: ``UntraceableError`` instead).
 
-Imports: _levels, errors, compiler.breaks, compiler.guards, compiler.cache, compiler.tracer, compiler.tiering,
-compiler.backends, compiler.passes.
+Imports: _levels, errors, compiler.breaks, compiler.guards, compiler.cache, compiler.tracer,
+compiler.tiering, compiler.backends, compiler.passes.
 """
 from __future__ import annotations
 
