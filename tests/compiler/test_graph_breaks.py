@@ -351,3 +351,18 @@ def test_explain_shows_the_segments():
     text = str(ft.explain(f, torch.ones(3)))
     assert "2 segments" in text and _line(f, 1) in text and "read True" in text
     assert "read_guard" in text
+
+
+def test_a_write_into_a_value_made_before_the_break():
+    def f(x):
+        y = x * 2
+        view = y[1:]
+        if x.sum() > 0:
+            view.add_(1)            # the segment after the break writes into y through a view
+        return y
+    compiled = ft.compile(f)
+    for x in (torch.ones(3), -torch.ones(3), torch.ones(3), -torch.ones(3)):
+        torch.testing.assert_close(compiled(x), f(x))
+    info = compiled.cache_info()
+    assert info.eager_calls == 0 and info.hits == 2, info
+    assert any("writes into a value of an earlier segment" in e.tier for e in info.entries), info
