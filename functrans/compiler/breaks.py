@@ -11,7 +11,8 @@ is one segment, whose last value is the tensor read (or the output whose size wa
 What this module owns
 - ``Read``: one break: its position in the sequence of reads, the value (a Python scalar, or a
   tuple of sizes), what was read and the user's line.
-- ``read_guard`` / ``size_guard``: the guard nodes' targets.  A replay runs the graph in
+- ``read_guard`` / ``size_guard`` / ``list_guard`` (``.tolist()`` of a small tensor): the guard
+  nodes' targets.  A replay runs the graph in
   order; at a guard it reads the value again and compares it with the trace's (NaN equals NaN):
   equal, the replay goes on into the next segment, which baked in that value; different, it
   raises ``ReadChanged`` before any op of the next segment ran.  The compiled function
@@ -48,6 +49,14 @@ from . import passes
 
 MAX_FLOAT_VALUES = 3    # a float read at one break that took more values: the function runs
                         # eagerly (compiler/function.py); ints, bools, sizes: up to cache_size
+MAX_LIST_VALUES = 64    # .tolist() of a tensor with more values is not guarded (eager)
+
+
+def has_float(value: Any) -> bool:
+    """Whether a value read is (or holds) a float or complex."""
+    if isinstance(value, list):
+        return any(has_float(v) for v in value)
+    return isinstance(value, (float, complex))
 
 
 @dataclass
@@ -71,6 +80,10 @@ class ReadChanged(Exception):
 
 
 def same_value(a: Any, b: Any) -> bool:
+    """Whether two values read are the same (NaN equals NaN; FX keeps a list argument as its
+    ``immutable_list``)."""
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     if type(a) is not type(b):
         return False
     if a == b:
@@ -97,7 +110,14 @@ def size_guard(tensor: torch.Tensor, expected: Tuple[int, ...], index: int) -> N
         raise ReadChanged(index, shape)
 
 
-GUARDS = (read_guard, size_guard)
+def list_guard(tensor: torch.Tensor, expected: list, index: int) -> None:
+    """The guard node of ``.tolist()``: every value must be the one the trace read."""
+    values = tensor.tolist()
+    if not same_value(values, expected):
+        raise ReadChanged(index, values)
+
+
+GUARDS = (read_guard, size_guard, list_guard)
 
 
 def is_guard(node: fx.Node) -> bool:

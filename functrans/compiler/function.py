@@ -199,7 +199,9 @@ class CompiledFunction:
         call found them), the variant of this key that read these values runs instead, or a
         new one is traced: that trace is the eager call."""
         rng = None
+        tried = []
         while True:
+            tried.append(entry)
             if rng is None and entry.save_rng:
                 rng = breaks.rng_state()
             try:
@@ -211,9 +213,13 @@ class CompiledFunction:
                 reads = cast(List[breaks.Read], entry.reads)
                 observed = [r.value for r in reads[:changed.index]] + [changed.value]
                 found = self._cache.variant_reading(key, observed)
-                if found is not None and found is not entry:
+                if found is not None and all(found is not e for e in tried):
                     entry = found
                     continue
+                if found is not None:   # pragma: no cover - a guard disagreeing with its trace
+                    self._cache.note_eager("a graph's guard disagreed with the value its trace "
+                                           "read; this call ran eagerly")
+                    return self._fn(*args, **kwargs)
                 read = reads[changed.index]
                 why = (f"break {read.index + 1} ({read.what}) at {read.line} read "
                        f"{changed.value!r} where the graph traced read {read.value!r}")
@@ -231,7 +237,7 @@ class CompiledFunction:
             return (f"{len(variants)} graphs (the cache_size) were traced for the values read "
                     "at its breaks, and this call read others")
         last = observed[-1]
-        if isinstance(last, (float, complex)):
+        if breaks.has_float(last):
             index = len(observed) - 1
             values = {repr(last)} | {
                 repr(cast(List[breaks.Read], e.reads)[index].value) for e in variants
@@ -456,7 +462,7 @@ def compile(fn: Optional[Callable[..., Any]] = None, *, backend: str = "tiered",
     size (``nonzero``) is a graph break: the graph is replayed in segments with a guard on the
     value read at each break, and another value runs (or traces) the graph for that value.
     Calls inside another functrans transform, and functions that do something a graph cannot
-    bake in (``.tolist()``, an in-place write before a read, Python side effects), run eagerly
+    bake in (``.numpy()``, an in-place write before a read, Python side effects), run eagerly
     (after one ``CompileWarning``); ``cache_info()`` and ``explain`` say why.
 
     Args:

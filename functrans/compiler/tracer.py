@@ -12,13 +12,14 @@ What this module owns
   ``bool()``, an ``if`` on a tensor: ``aten._local_scalar_dense``) is answered from the real
   tensor and recorded as a ``breaks.Read`` with a ``breaks.read_guard`` node at that point of
   the graph; an op whose output shape depends on data (tag ``dynamic_output_shape``:
-  ``nonzero``, ``masked_select``) is followed by a ``breaks.size_guard`` on each output
-  (``Trace.reads``).  Guards are then hoisted above writes that do not touch the value read
+  ``nonzero``, ``masked_select``) is followed by a ``breaks.size_guard`` on each output, and
+  ``.tolist()`` of a tensor of at most ``breaks.MAX_LIST_VALUES`` values by a
+  ``breaks.list_guard`` (``Trace.reads``).  Guards are then hoisted above writes that do not touch the value read
   (``breaks.hoist``); a graph that writes into an argument or captured tensor before a guard is
   untraceable, one that draws random numbers before a guard is marked
   (``Trace.random_before_read``).
-- what a graph must never bake in, found while tracing: a read it cannot guard (``.tolist()``,
-  ``.numpy()``, any read in a symbolic trace), and Python-side effects the graph cannot replay
+- what a graph must never bake in, found while tracing: a read it cannot guard (``.tolist()``
+  of a larger tensor, ``.numpy()``, any read in a symbolic trace), and Python-side effects the graph cannot replay
   (``Captured`` state — what ``fn`` and its object arguments reach — rebound or new tensors
   stored in it, ``.grad`` written by ``backward()``, tensors made with ``requires_grad=True``
   inside).  Each is reported once, with the op and the user's source line, as
@@ -92,9 +93,10 @@ class _Watcher:
     then have to run again eagerly — applying those writes twice.  The read is recorded as a
     ``breaks.Read`` and a ``breaks.read_guard`` node is put into the graph at that point; an op
     whose output shape depends on the data (``nonzero``) is recorded as make_fx records it, and
-    a ``breaks.size_guard`` node on each of its outputs follows it.  A read the tracer cannot
-    point at a graph value (``.tolist()``, ``.numpy()``, a tensor make_fx does not track) is
-    the first untraceable thing instead, and symbolic traces guard nothing."""
+    a ``breaks.size_guard`` node on each of its outputs follows it; ``.tolist()`` of a small
+    tensor gets a ``breaks.list_guard``.  A read the tracer cannot point at a graph value
+    (``.numpy()``, ``.tolist()`` of a larger tensor, a tensor make_fx does not track) is the
+    first untraceable thing instead, and symbolic traces guard nothing."""
 
     def __init__(self, real: bool = True) -> None:
         self.first: Optional[str] = None
@@ -138,7 +140,16 @@ class _Watcher:
         class Function(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 what = _READ_BACK.get(func)
-                if what is not None and watcher.first is None:
+                if what is None:
+                    return func(*args, **(kwargs or {}))
+                if (real and func is torch.Tensor.tolist and len(args) == 1 and not kwargs
+                        and type(args[0]) in (torch.Tensor, torch.nn.Parameter)
+                        and args[0].numel() <= breaks.MAX_LIST_VALUES):
+                    value = func(*args)      # a few values: guarded, all of them
+                    watcher._guard(breaks.list_guard, args[0], value,
+                                   ".tolist() (its values)")
+                    return value
+                if watcher.first is None:
                     watcher.first = (f"{what} reads a tensor's values into Python, which a "
                                      f"graph cannot guard, at {user_line()}")
                 return func(*args, **(kwargs or {}))

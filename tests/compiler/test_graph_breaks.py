@@ -366,3 +366,17 @@ def test_a_write_into_a_value_made_before_the_break():
     info = compiled.cache_info()
     assert info.eager_calls == 0 and info.hits == 2, info
     assert any("writes into a value of an earlier segment" in e.tier for e in info.entries), info
+
+
+def test_tolist_of_a_few_values_is_a_break_on_all_of_them():
+    def f(x):
+        signs = (x > 0).long().tolist()
+        return x * sum(signs), torch.tensor(signs)
+    compiled = ft.compile(f, strict=True)
+    xs = [torch.ones(3), -torch.ones(3), torch.tensor([1.0, -1, 1]), torch.ones(3) * 2]
+    for x in xs + xs:
+        for got, want in zip(compiled(x), f(x)):
+            torch.testing.assert_close(got, want)
+    info = compiled.cache_info()
+    assert (info.misses, info.hits, info.eager_calls) == (3, 5, 0), info
+    assert all(".tolist()" in e.breaks[0] for e in info.entries), info

@@ -232,6 +232,10 @@ def _tolist(x):
     return torch.tensor(x.tolist()) + x
 
 
+def _numpy(x):
+    return torch.from_numpy(x.numpy() * 2) + x
+
+
 def _nonzero(x):
     return torch.nonzero(x > 0).sum() + x
 
@@ -240,7 +244,7 @@ def test_value_reads_and_data_dependent_shapes_break_the_graph():
     # a branch on a value, an .item() and nonzero's size end a segment each (compiler/breaks.py):
     # the value read is guarded, and another value runs the graph traced for it
     for fn, what in [(_branchy, "_local_scalar_dense"), (_item, "_local_scalar_dense"),
-                     (_nonzero, "nonzero")]:
+                     (_nonzero, "nonzero"), (_tolist, ".tolist()")]:
         compiled = functrans.compile(fn)
         pos, neg = torch.rand(3) + 0.5, -torch.rand(3) - 0.5
         with warnings.catch_warnings(record=True) as caught:
@@ -258,8 +262,9 @@ def test_value_reads_and_data_dependent_shapes_break_the_graph():
 
 
 def test_unguardable_read_warns_once_and_runs_eagerly():
-    # .tolist() reads every value: no guard on one graph value, so the function runs eagerly
-    compiled = functrans.compile(_tolist)
+    # .numpy() shares the tensor's memory: no guard can stand for it, so the function runs
+    # eagerly (so does .tolist() of more than breaks.MAX_LIST_VALUES values)
+    compiled = functrans.compile(_numpy)
     pos, neg = torch.rand(3) + 0.5, -torch.rand(3) - 0.5
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -268,16 +273,19 @@ def test_unguardable_read_warns_once_and_runs_eagerly():
     compile_warnings = [w for w in caught if issubclass(w.category, CompileWarning)]
     assert len(compile_warnings) == 1, [str(w.message) for w in caught]
     message = str(compile_warnings[0].message)
-    assert ".tolist()" in message, message
+    assert ".numpy()" in message, message
     # the user's line (in this file), not a line inside torch or functrans
-    line = _tolist.__code__.co_firstlineno + 1
+    line = _numpy.__code__.co_firstlineno + 1
     assert f"{THIS_FILE}:{line}" in message, message
-    torch.testing.assert_close(first, _tolist(pos))
+    torch.testing.assert_close(first, _numpy(pos))
     for out, x in zip(later, (neg, pos, neg)):
-        torch.testing.assert_close(out, _tolist(x))
+        torch.testing.assert_close(out, _numpy(x))
     info = compiled.cache_info()
-    assert info.eager_reason is not None and ".tolist()" in info.eager_reason
+    assert info.eager_reason is not None and ".numpy()" in info.eager_reason
     assert info.eager_calls == 3 and len(info.entries) == 0
+    big = functrans.compile(_tolist)
+    with pytest.warns(CompileWarning, match="tolist"):
+        big(torch.randn(100))
 
 
 def _write_then_branch(x):
@@ -287,16 +295,16 @@ def _write_then_branch(x):
     return x - 1
 
 
-@pytest.mark.parametrize("fn", [_tolist, _write_then_branch])
+@pytest.mark.parametrize("fn", [_numpy, _write_then_branch])
 def test_strict_raises_untraceable_error(fn):
     compiled = functrans.compile(fn, strict=True)
     with pytest.raises(UntraceableError) as info:
         compiled(torch.rand(3) + 0.5)
-    line = fn.__code__.co_firstlineno + (1 if fn is _tolist else 2)
+    line = fn.__code__.co_firstlineno + (1 if fn is _numpy else 2)
     assert f"{THIS_FILE}:{line}" in str(info.value)
 
 
-@pytest.mark.parametrize("fn", [_branchy, _item, _nonzero])
+@pytest.mark.parametrize("fn", [_branchy, _item, _nonzero, _tolist])
 def test_strict_accepts_graph_breaks(fn):
     compiled = functrans.compile(fn, strict=True)
     for x in (torch.rand(3) + 0.5, -torch.rand(3) - 0.5):
@@ -630,8 +638,8 @@ def test_explain_shows_ops_and_guards():
     assert "shape (4, 3)" in text and "value 0.5 (float)" in text
     assert "grad mode: True" in text
     assert "w (closure of f)" in text
-    eager = str(functrans.explain(_tolist, torch.randn(3)))
-    assert "runs eagerly" in eager and ".tolist()" in eager
+    eager = str(functrans.explain(_numpy, torch.randn(3)))
+    assert "runs eagerly" in eager and ".numpy()" in eager
     broken = str(functrans.explain(_branchy, torch.randn(3)))
     assert "2 segments" in broken and f"{THIS_FILE}:{_branchy.__code__.co_firstlineno + 1}" \
         in broken and "read_guard" in broken
