@@ -128,7 +128,7 @@ class _Watcher:
                             if isinstance(leaf, torch.Tensor):
                                 watcher._guard(breaks.size_guard, leaf, tuple(leaf.shape),
                                                f"the shape of {func}'s output, which "
-                                               "depends on the data", traced=True)
+                                               "depends on the data")
                         return out
                 if func is _ZERO_TENSOR:
                     # forward AD's symbolic zero tangent: make_fx's proxy of a ZeroTensor
@@ -156,15 +156,16 @@ class _Watcher:
 
         self._modes = (Function(), Dispatch())
 
-    def _guard(self, guard, tensor: torch.Tensor, value: Any, what: str,
-               traced: bool = False) -> None:
+    def _guard(self, guard, tensor: torch.Tensor, value: Any, what: str) -> None:
         """Put ``guard(tensor's graph value, value, index)`` into the graph at this point."""
         line = user_line()
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+        mode = get_proxy_mode()
+        if mode is None:
+            if self.first is None:
+                self.first = f"{what} at {line} cannot be guarded (no make_fx tracer)"
+            return
         try:
-            from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
-            mode = get_proxy_mode()
-            if mode is None:
-                raise LookupError("no make_fx tracer")
             slot = get_proxy_slot(tensor, mode.tracer, None)
             if slot is None:
                 # an alias through the tracer: a tensor it does not track (captured state)
