@@ -30,7 +30,8 @@ What this module owns
   (the global generators' states are saved before such a replay and restored when a guard
   fails, so the retrace draws the same numbers an eager call would: ``rng_state`` /
   ``set_rng_state``).
-- ``Segmented``: the runner ``split`` returns (``state()`` and ``wait()`` over its segments).
+- ``Segmented``: the runner ``split`` returns (``state()`` and ``wait()`` over its segments); it
+  replays the whole graph, guards inline, until the graph is hot, then runs segment by segment.
 
 Imports: compiler.passes.
 """
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import math
 import operator
+import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -185,20 +187,38 @@ def set_rng_state(states: List[Any]) -> None:
         torch.cuda.set_rng_state_all(states[1])
 
 
+WHOLE_CALLS = 8         # a graph with breaks is replayed whole (its guards inline) until it
+WHOLE_SECONDS = 0.05    # ran this many calls and seconds; then segment by segment (Segmented)
+
+
 class Segmented:
     """A graph with breaks run segment by segment, each segment its own callable (the tiered
     backend's: replayed, and compiled by Inductor in the background once that segment is hot),
     the guards between them.  ``steps``: ``(run, input nodes, output nodes)`` for a segment,
     ``(guard, node read, expected, index)`` for a break; values cross segments in a dict keyed
-    by the original graph's nodes."""
+    by the original graph's nodes.  Until the graph is hot (``WHOLE_CALLS`` calls and
+    ``WHOLE_SECONDS`` of replay) the replay of the whole graph, guards inline, serves the calls
+    (``whole``): one generated function costs less a call than the segments' runners."""
 
     def __init__(self, placeholders: List[fx.Node], steps: List[tuple], outputs: List[Any],
-                 runs: List[Any], constants: dict) -> None:
+                 runs: List[Any], constants: dict, whole: Any = None) -> None:
         self._placeholders, self._steps, self._outputs = placeholders, steps, outputs
         self._constants = constants   # get_attr node -> the tensor (captured: by identity)
         self.runs = runs        # the segments' callables (their state() and wait())
+        self._whole = whole
+        self._calls = 0
+        self._seconds = 0.0
 
     def __call__(self, inputs: list) -> list:
+        whole = self._whole
+        if whole is not None:
+            start = time.perf_counter()
+            out: list = whole(inputs)
+            self._calls += 1
+            self._seconds += time.perf_counter() - start
+            if self._calls >= WHOLE_CALLS and self._seconds >= WHOLE_SECONDS:
+                self._whole = None          # hot: segment by segment from the next call
+            return out
         env = dict(self._constants)
         env.update(zip(self._placeholders, inputs))
         for step in self._steps:
@@ -211,6 +231,9 @@ class Segmented:
         return [env[o] if isinstance(o, fx.Node) else o for o in self._outputs]
 
     def state(self) -> str:
+        if self._whole is not None:
+            return (f"replayed whole until hot ({self._calls} calls so far), then segment by "
+                    "segment")
         states = [run.state() if hasattr(run, "state") else
                   "replay (it writes into a value of an earlier segment)" for run in self.runs]
         return "segments: " + " | ".join(s.replace("tier: ", "") for s in states)
@@ -219,7 +242,7 @@ class Segmented:
         return all(getattr(run, "wait", lambda t: True)(timeout) for run in self.runs)
 
 
-def split(gm: fx.GraphModule, make_run: Any) -> Optional[Segmented]:
+def split(gm: fx.GraphModule, make_run: Any, whole: Any = None) -> Optional[Segmented]:
     """``gm`` (a cleaned graph with guards) as a ``Segmented``: each stretch between guards a
     graph module of its own (constants copied in, metadata kept), run by ``make_run(module,
     replay_only)`` (``replay_only``: the segment writes into a value an earlier one made); None
@@ -280,5 +303,5 @@ def split(gm: fx.GraphModule, make_run: Any) -> Optional[Segmented]:
             guard = guards[index]
             steps.append((guard.target, guard.args[0], guard.args[1], guard.args[2]))
     constants = {n: getattr(gm, n.target) for n in nodes if n.op == "get_attr"}
-    return Segmented(placeholders, steps, list(output.args[0]), runs, constants)
+    return Segmented(placeholders, steps, list(output.args[0]), runs, constants, whole)
 

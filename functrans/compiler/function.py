@@ -305,11 +305,11 @@ class CompiledFunction:
         elif trace.reads and self.backend == "tiered":
             # a graph with breaks: each segment its own graph, tiered on its own, the guards
             # between them (the replay of the whole graph where it cannot be cut)
-            segmented = self._segments(trace)
+            segmented = self._segments(trace, run)
             if segmented is not None:
                 run = segmented
-                notes.append("each segment replayed, and compiled by Inductor in the "
-                             "background once it stays hot")
+                notes.append("replayed whole until hot, then each segment replayed and "
+                             "compiled by Inductor in the background once it stays hot")
             else:
                 notes.append("replayed whole with a guard at each break (a value crossing a "
                              "break is not a tensor)")
@@ -345,7 +345,8 @@ class CompiledFunction:
         return entry
 
     @staticmethod
-    def _segments(trace: tracer.Trace) -> Optional[breaks.Segmented]:
+    def _segments(trace: tracer.Trace, whole: Callable[[List[Any]], List[Any]]
+                  ) -> Optional[breaks.Segmented]:
         gm = cast(torch.fx.GraphModule, trace.graph_module)   # cleaned by backends.build
 
         def make_run(module: torch.fx.GraphModule, replay_only: bool) -> Any:
@@ -354,7 +355,7 @@ class CompiledFunction:
                 return replay
             return tiering.Tiered(replay, module, backends.build_inductor_from)
         try:
-            return breaks.split(gm, make_run)
+            return breaks.split(gm, make_run, whole)
         except Exception:       # pragma: no cover - a graph fx cannot cut: replayed whole
             return None
 
