@@ -9,11 +9,11 @@ bakes that size in.  Instead of giving the graph up, the tracer records each suc
 is one segment, whose last value is the tensor read (or the output whose size was read).
 
 What this module owns
-- ``Read``: one break: its position in the sequence of reads, the value (a Python scalar, or a
-  tuple of sizes), what was read and the user's line.
+- ``Read``: one break: its position in the sequence of reads, the value (a Python scalar, a
+  tuple of sizes, or the list ``.tolist()`` gave), what was read and the user's line.
 - ``read_guard`` / ``size_guard`` / ``list_guard`` (``.tolist()`` of a small tensor): the guard
-  nodes' targets.  A replay runs the graph in
-  order; at a guard it reads the value again and compares it with the trace's (NaN equals NaN):
+  nodes' targets.  A replay runs the graph in order; at a guard it reads the value again and
+  compares it with the trace's (``same_value``: NaN equals NaN):
   equal, the replay goes on into the next segment, which baked in that value; different, it
   raises ``ReadChanged`` before any op of the next segment ran.  The compiled function
   (compiler/function.py) then runs the variant traced for that value, or traces one: the
@@ -21,7 +21,7 @@ What this module owns
 - ``hoist(graph)``: each guard moved up to just after the value it reads, where no write
   touches that value (a ``loss.item()`` returned after an in-place update is checked before
   the update).
-- ``split(graph_module, make_run)`` → ``Segmented``: the graph cut at its guards into one graph
+- ``split(graph_module, make_run, whole)`` → ``Segmented``: the graph cut at its guards into one graph
   module per segment (the tiered backend replays each, and has Inductor compile a segment that
   stays hot), run in order with the guards between them.
 - ``prefix_effects(graph)``: for each guard, whether ops before it write into an argument or
@@ -52,6 +52,8 @@ from . import passes
 MAX_FLOAT_VALUES = 3    # a float read at one break that took more values: the function runs
                         # eagerly (compiler/function.py); ints, bools, sizes: up to cache_size
 MAX_LIST_VALUES = 64    # .tolist() of a tensor with more values is not guarded (eager)
+# (the limits on values a break may take are kept by compiler/function.py:
+# CompiledFunction._too_many_values)
 
 
 def has_float(value: Any) -> bool:
