@@ -641,12 +641,16 @@ def _compile_params():
     with pytest.raises(TransformArgumentError, match="dynamic"):
         functrans.compile(f, dynamic="yes")
 
-    def branch(x):
+    def branch(x):                  # a graph break: allowed under strict=True
         return x * 2 if x.sum() > 0 else x
-    with pytest.warns(functrans.CompileWarning, match="_local_scalar_dense"):
-        _close(functrans.compile(branch)(x), branch(x))
+    _close(functrans.compile(branch, strict=True)(x), branch(x))
+
+    def read_back(x):               # a read no graph can guard
+        return x * len(x.numpy())
+    with pytest.warns(functrans.CompileWarning, match="numpy"):
+        _close(functrans.compile(read_back)(x), read_back(x))
     with pytest.raises(functrans.UntraceableError, match="test_public_api.py"):
-        functrans.compile(branch, strict=True)(x)
+        functrans.compile(read_back, strict=True)(x)
     with pytest.raises(TransformArgumentError, match="strict"):
         functrans.compile(f, strict=1)
     small = functrans.compile(f, cache_size=1, dynamic=False)
@@ -664,7 +668,7 @@ def _explain_params():
     text = str(functrans.explain(f, _t(4, 3), scale=2.5))
     assert "graph:" in text and "tanh" in text and "shape (4, 3)" in text
     assert "2.5" in text                      # the keyword argument is a guarded value
-    assert "runs eagerly" in str(functrans.explain(lambda x: x.tolist(), _t(2)))
+    assert "runs eagerly" in str(functrans.explain(lambda x: x.numpy(), _t(2)))
 
 
 @pytest.mark.parametrize("check", sorted(set(PARAMETER_CHECKS.values()),

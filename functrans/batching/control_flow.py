@@ -48,9 +48,9 @@ Inside ``functrans.compile`` (with or without a transform: its tracer marks the 
 ``_levels.compile_trace``) the desugared form is what is traced: a ``scan``/``map``/
 ``associative_scan``, and a ``cond`` with a batched predicate, unroll into the graph; an
 unbatched ``cond`` predicate and every ``while_loop`` test read a tensor's value (``bool()``),
-which the compiler's tracer sees as a data-dependent op: the function then runs eagerly, with
-a ``CompileWarning`` (an error under ``strict=True``), never a graph replayed for inputs it
-does not fit.
+which the compiler's tracer makes a graph break (compiler/breaks.py): the value read is
+guarded, and other values (another branch, another trip count) run a graph traced for them,
+never a graph replayed for inputs it does not fit.
 
 Known difference from a per-example loop: with a batched ``cond`` predicate (or ``while_loop``
 freezing), gradients pass through ``torch.where``; where the branch NOT taken by an example has

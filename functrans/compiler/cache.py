@@ -10,7 +10,7 @@ What this module owns
   ``OrderedDict`` read and ``move_to_end`` are atomic under the GIL); inserts and counters
   take one, so several threads may call one compiled function.
 
-Imports: compiler.guards.
+Imports: compiler.breaks, compiler.guards.
 """
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.utils._pytree as pytree
 
+from .breaks import same_value
 from .guards import Captured, tensor_meta
 
 
 class Entry:
     __slots__ = ("key", "run", "captured", "constant_meta", "out_spec", "out_leaves",
                  "out_positions", "single", "ops", "trace_seconds", "backend", "notes",
-                 "graph_module", "source", "symbolic", "shape_guard")
+                 "graph_module", "source", "symbolic", "shape_guard", "reads", "save_rng")
 
     def __init__(self, key, run, captured: Optional[Captured], constants: List[torch.Tensor],
                  out_spec, out_leaves, out_positions, ops: int, trace_seconds: float,
@@ -44,6 +45,8 @@ class Entry:
         self.notes: List[str] = []
         self.graph_module, self.source, self.symbolic = graph_module, source, symbolic
         self.shape_guard = None
+        self.reads: Optional[list] = None  # the graph's breaks (breaks.Read), None: one segment
+        self.save_rng = False              # a random op runs before a guard
 
     def stale(self) -> Optional[str]:
         """Why this entry no longer holds (None when it does)."""
@@ -73,6 +76,12 @@ class EntryInfo:
     symbolic: bool
     notes: List[str]
     tier: str = ""      # backend "tiered": the tier serving the entry now, and why
+    breaks: List[str] = field(default_factory=list)   # where a segment ends, and the value read
+
+    @property
+    def segments(self) -> int:
+        """How many segments the graph is replayed in (its breaks + 1)."""
+        return len(self.breaks) + 1
 
 
 @dataclass
@@ -86,6 +95,7 @@ class CacheInfo:
     trace_seconds: float
     eager_reason: Optional[str] = None
     eager_reasons: List[str] = field(default_factory=list)
+    read_changes: int = 0   # calls whose replay read another value at a break than its graph
 
     def __str__(self) -> str:
         lines = [f"{len(self.entries)} graph(s), {self.hits} hits, {self.misses} misses, "
@@ -94,7 +104,11 @@ class CacheInfo:
             lines.append(f"  entry {i}: {e.backend}, {e.ops} ops, traced in "
                          f"{e.trace_seconds:.3f} s{', symbolic sizes' if e.symbolic else ''}"
                          + "".join(f"; {n}" for n in e.notes)
-                         + (f"; {e.tier}" if e.tier else ""))
+                         + (f"; {e.tier}" if e.tier else "")
+                         + (f"; {e.segments} segments" if e.breaks else ""))
+            lines += [f"    {b}" for b in e.breaks]
+        if self.read_changes:
+            lines.append(f"  {self.read_changes} call(s) read another value at a break")
         lines += [f"  retraced: {r}" for r in self.retrace_reasons]
         if self.eager_reason:
             lines.append(f"  runs eagerly: {self.eager_reason}")
@@ -115,7 +129,7 @@ class GraphCache:
         self.size = size
         self.entries: "OrderedDict[Any, tuple]" = OrderedDict()   # key -> (Entry, ...)
         self.lock = threading.Lock()
-        self.hits = self.misses = self.eager_calls = 0
+        self.hits = self.misses = self.eager_calls = self.read_changes = 0
         self.trace_seconds = 0.0
         self.retrace_reasons: List[str] = []
         self.eager_reasons: List[str] = []
@@ -140,9 +154,36 @@ class GraphCache:
                 why = stale
         return None, why
 
-    def note_hit(self) -> None:
+    def variant_reading(self, key, observed: list) -> Optional[Entry]:
+        """A variant filed under ``key`` whose captured state holds and whose graph read the
+        values ``observed`` (a prefix of its breaks' values), newest first (the call's lookup
+        counted the hit)."""
+        for entry in reversed(self.entries.get(key, ())):
+            reads = entry.reads
+            if reads is None or len(reads) < len(observed):
+                continue
+            if all(same_value(r.value, v) for r, v in zip(reads, observed)) \
+                    and entry.stale() is None:
+                return entry
+        return None
+
+    def read_variants(self, key) -> List[Entry]:
+        return [e for e in self.entries.get(key, ()) if e.reads is not None]
+
+    def promote(self, key, entry: Entry) -> None:
+        """Make ``entry`` the variant tried first under ``key`` (it read this call's values)."""
+        with self.lock:
+            variants = self.entries.get(key, ())
+            if variants and variants[-1] is not entry and entry in variants:
+                self.entries[key] = tuple(e for e in variants if e is not entry) + (entry,)
+
+    def note_read_change(self) -> None:
+        with self.lock:
+            self.read_changes += 1
+
+    def note_hit(self, n: int = 1) -> None:
         with self.lock:                 # counted under the lock: threads lose no hits
-            self.hits += 1
+            self.hits += n
 
     def all_entries(self) -> List[Entry]:
         with self.lock:
@@ -184,12 +225,13 @@ class GraphCache:
     def info(self, eager_reason: Optional[str]) -> CacheInfo:
         with self.lock:
             entries = [EntryInfo(e.backend, e.ops, e.trace_seconds, e.symbolic, list(e.notes),
-                                 e.run.state() if hasattr(e.run, "state") else "")
+                                 e.run.state() if hasattr(e.run, "state") else "",
+                                 [r.describe() for r in e.reads or ()])
                        for variants in self.entries.values() for e in variants
                        if not e.symbolic]
             return CacheInfo(entries, self.hits, self.misses, self.eager_calls,
                              list(self.retrace_reasons), self.trace_seconds, eager_reason,
-                             list(self.eager_reasons))
+                             list(self.eager_reasons), self.read_changes)
 
     def clear(self) -> None:
         with self.lock:

@@ -7,16 +7,29 @@ a thread that waited on it finds the entry another filed) traces (``tracer.trace
 the trace is the eager call and its outputs are the answer), hands the graph to the backend
 (``backends.build``) and files the entry.
 
+Graph breaks (compiler/breaks.py): a graph whose trace read values into Python (``.item()``,
+``bool()``, a data-dependent size) is replayed with a guard at each break (``_guarded``).  When
+a guard reads another value, the variant of the key that read the values seen so far runs
+instead, or a new variant is traced (a miss: that trace is the eager call); the variants of a
+key form a tree keyed by the values read.  No op after the failing guard ran, none before it
+wrote outside the graph (such a graph is refused when traced), and the random generators are
+put back to where the call found them, so the call's answer and effects are the eager call's.
+More values than a graph per value is worth (``cache_size`` variants, or a float read that took
+more than ``breaks.MAX_FLOAT_VALUES`` values) make the function run eagerly, with the reason.
+Under the tiered backend each segment is its own graph, tiered on its own (``breaks.split``);
+the pinned inductor/cudagraphs backends replay a graph with breaks whole.
+
 Runs eagerly, with the reason recorded in ``cache_info()``: inside another functrans transform
 (a compiled function called under ``vmap``/``grad``/``jvp`` sees wrappers or levels a graph
 traced outside them does not know), inside the trace of another compiled function (its ops are
 recorded in that graph), under a forward-AD level the caller opened, on arguments
 ``call_key`` cannot key.  A function that does something a graph cannot bake in
-(``Trace.untraceable``) runs eagerly from then on, after one ``CompileWarning`` naming the op
-and the line (``strict=True``: ``UntraceableError`` instead).
+(``Trace.untraceable``: a read it cannot guard, a write before a read, Python side effects)
+runs eagerly from then on, after one ``CompileWarning`` naming the op and the line
+(``strict=True``: ``UntraceableError`` instead).
 
-Imports: _levels, errors, compiler.guards, compiler.cache, compiler.tracer, compiler.tiering,
-compiler.backends, compiler.passes.
+Imports: _levels, errors, compiler.breaks, compiler.guards, compiler.cache, compiler.tracer,
+compiler.tiering, compiler.backends, compiler.passes.
 """
 from __future__ import annotations
 
@@ -34,7 +47,7 @@ import torch.utils._pytree as pytree
 
 from .. import _levels
 from ..errors import CompileWarning, TransformArgumentError, UntraceableError, transform_call
-from . import backends, passes, tiering, tracer
+from . import backends, breaks, passes, tiering, tracer
 from .cache import CacheInfo, Entry, EntryInfo, GraphCache
 from .guards import (Unguardable, call_key, describe_difference, dynamic_key,
                      only_sizes_differ, shape_guard)
@@ -104,7 +117,9 @@ class CompiledFunction:
             return self._fn(*args, **kwargs)
         entry, stale = self._cache.lookup(key)
         if entry is not None:
-            return entry.outputs(entry.run(tensors))
+            if entry.reads is None:
+                return entry.outputs(entry.run(tensors))
+            return self._guarded(key, entry, args, kwargs, tensors)
         if stale is not None:
             return self._miss(key, args, kwargs, tensors, stale)
         if self._dynamic:
@@ -120,7 +135,7 @@ class CompiledFunction:
                 and only_sizes_differ(latest.key, key)):
             self._symbolic = True      # a second size: from now on, trace sizes symbolically
         out = self._miss(key, args, kwargs, tensors, why)
-        if self._symbolic and self._eager_reason is None:
+        if self._symbolic and self._eager_reason is None and not self._cache.read_variants(key):
             self._add_symbolic(key, args, kwargs, tensors, out)
         return out
 
@@ -175,16 +190,86 @@ class CompiledFunction:
         entries.append(entry)
         del entries[:-self._cache.size]
 
+    # ---------------------------------------------------------------- graph breaks
+    def _guarded(self, key: Any, entry: Entry, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                 tensors: List[torch.Tensor]) -> Any:
+        """Run a graph with breaks (compiler/breaks.py): segment by segment, each guard
+        comparing the value read with the trace's.  When one differs (no op after it ran; none
+        before it wrote outside the graph, and the random generators are put back where the
+        call found them), the variant of this key that read these values runs instead, or a
+        new one is traced: that trace is the eager call."""
+        rng = None
+        tried = []
+        while True:
+            tried.append(entry)
+            if rng is None and entry.save_rng:
+                rng = breaks.rng_state()
+            try:
+                out = entry.outputs(entry.run(tensors))
+            except breaks.ReadChanged as changed:
+                self._cache.note_read_change()
+                if rng is not None:
+                    breaks.set_rng_state(rng)
+                reads = cast(List[breaks.Read], entry.reads)
+                observed = [r.value for r in reads[:changed.index]] + [changed.value]
+                found = self._cache.variant_reading(key, observed)
+                if found is not None and all(found is not e for e in tried):
+                    entry = found
+                    continue
+                if found is not None:   # pragma: no cover - a guard disagreeing with its trace
+                    self._cache.note_eager("a graph's guard disagreed with the value its trace "
+                                           "read; this call ran eagerly")
+                    return self._fn(*args, **kwargs)
+                read = reads[changed.index]
+                why = (f"break {read.index + 1} ({read.what}) at {read.line} read "
+                       f"{changed.value!r} where the graph traced read {read.value!r}")
+                self._cache.note_hit(-1)            # counted as a miss: this call traces
+                return self._miss(key, args, kwargs, tensors, why, observed)
+            self._cache.promote(key, entry)
+            return out
+
+    def _too_many_values(self, key: Any, observed: List[Any]) -> Optional[str]:
+        """Why no further graph is traced for the values a call read at its breaks: the key
+        holds ``cache_size`` graphs with breaks already, or a float read at this break took
+        more than ``breaks.MAX_FLOAT_VALUES`` values (a loss, a norm: a new one every call)."""
+        variants = self._cache.read_variants(key)
+        if len(variants) >= self._cache.size:
+            return (f"{len(variants)} graphs (the cache_size) were traced for the values read "
+                    "at its breaks, and this call read others")
+        last = observed[-1]
+        if breaks.has_float(last):
+            index = len(observed) - 1
+            values = {repr(last)} | {
+                repr(cast(List[breaks.Read], e.reads)[index].value) for e in variants
+                if len(cast(List[breaks.Read], e.reads)) > index and all(
+                    breaks.same_value(r.value, v)
+                    for r, v in zip(cast(List[breaks.Read], e.reads), observed[:-1]))}
+            if len(values) > breaks.MAX_FLOAT_VALUES:
+                return (f"the float read there took {len(values)} values (a graph per value "
+                        "is not worth tracing)")
+        return None
+
     # ---------------------------------------------------------------- a miss
     def _miss(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
-              tensors: List[torch.Tensor], why: Optional[str]) -> Any:
+              tensors: List[torch.Tensor], why: Optional[str],
+              observed: Optional[List[Any]] = None) -> Any:
         with _TRACE_LOCK:
             if self._eager_reason is not None:      # another thread's trace gave up meanwhile
                 self._cache.note_eager(None)
                 return self._fn(*args, **kwargs)
-            entry, _ = self._cache.lookup(key)
+            if observed is None:
+                entry, _ = self._cache.lookup(key)
+            else:                                   # a break read a value no variant has
+                entry = self._cache.variant_reading(key, observed)
             if entry is not None:                   # another thread traced it meanwhile
-                return entry.outputs(entry.run(tensors))
+                if entry.reads is None:
+                    return entry.outputs(entry.run(tensors))
+                return self._guarded(key, entry, args, kwargs, tensors)
+            refusal = None if observed is None else self._too_many_values(key, observed)
+            if refusal is not None:
+                self._go_eager(f"{why}: {refusal}")
+                self._cache.note_eager(None)
+                return self._fn(*args, **kwargs)
             try:
                 trace = tracer.trace(self._fn, args, kwargs, tensors)
             except Exception as exc:
@@ -201,7 +286,7 @@ class CompiledFunction:
             return trace.outputs
 
     def _make_entry(self, key: Any, trace: tracer.Trace, tensors: List[torch.Tensor]) -> Entry:
-        backend = self.backend
+        backend = self.backend if not trace.reads else "replay"
         notes: List[str] = []
         try:
             run = backends.build(backend, trace, tensors)
@@ -217,12 +302,40 @@ class CompiledFunction:
         if backend == "tiered":
             run = tiering.Tiered(run, cast(torch.fx.GraphModule, trace.graph_module),
                                  backends.build_inductor_from)
+        elif trace.reads and self.backend == "tiered":
+            # a graph with breaks: each segment its own graph, tiered on its own, the guards
+            # between them (the replay of the whole graph where it cannot be cut)
+            segmented = self._segments(trace, run)
+            if segmented is not None:
+                run = segmented
+                notes.append("replayed whole until hot, then each segment replayed and "
+                             "compiled by Inductor in the background once it stays hot")
+            else:
+                notes.append("replayed whole with a guard at each break (a value crossing a "
+                             "break is not a tensor)")
+        elif trace.reads and self.backend != "replay":
+            # a graph with breaks: its guards are Python calls between its segments
+            notes.append(f"replayed with a guard at each break (backend {self.backend!r} takes "
+                         "graphs without breaks)")
         gm = cast(torch.fx.GraphModule, trace.graph_module)  # an entry is made of a graph
         constants = [c for c in trace.constants.values() if isinstance(c, torch.Tensor)]
         entry = Entry(key, run, trace.captured, constants, trace.out_spec, trace.out_leaves,
                       trace.out_tensor_positions, passes.count_ops(gm.graph), trace.seconds,
                       backend, gm, getattr(run, "__source__", None))
         entry.notes.extend(notes)
+        if trace.reads:
+            entry.reads = list(trace.reads)
+            entry.save_rng = trace.random_before_read
+        if isinstance(run, breaks.Segmented):
+            entry.backend = "replay"
+            segments = [r for r in run.runs if isinstance(r, tiering.Tiered)]
+
+            def segment_promoted(tier: str, why: str, entry: Entry = entry) -> None:
+                tiers = {r.tier for r in segments}
+                entry.backend = "inductor" if tiers == {"inductor"} else \
+                    "replay+inductor" if "inductor" in tiers else "replay"
+            for segment in segments:
+                segment.on_change = segment_promoted
         if isinstance(run, tiering.Tiered):
             entry.backend = "replay"
 
@@ -230,6 +343,21 @@ class CompiledFunction:
                 entry.backend = tier
             run.on_change = promoted
         return entry
+
+    @staticmethod
+    def _segments(trace: tracer.Trace, whole: Callable[[List[Any]], List[Any]]
+                  ) -> Optional[breaks.Segmented]:
+        gm = cast(torch.fx.GraphModule, trace.graph_module)   # cleaned by backends.build
+
+        def make_run(module: torch.fx.GraphModule, replay_only: bool) -> Any:
+            replay = backends.replay.build(module, keep_autograd=trace.needs_autograd)
+            if replay_only:
+                return replay
+            return tiering.Tiered(replay, module, backends.build_inductor_from)
+        try:
+            return breaks.split(gm, make_run, whole)
+        except Exception:       # pragma: no cover - a graph fx cannot cut: replayed whole
+            return None
 
     def _with_replay_fallback(self, run: Callable[[List[Any]], List[Any]], trace: tracer.Trace,
                               tensors: List[torch.Tensor], notes: List[str]
@@ -287,7 +415,7 @@ class CompiledFunction:
         (backend ``"tiered"``); whether none is.  Calls never need this: they replay meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for entry in self._cache.all_entries():
-            if isinstance(entry.run, tiering.Tiered):
+            if isinstance(entry.run, (tiering.Tiered, breaks.Segmented)):
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if not entry.run.wait(left):
                     return False
@@ -331,9 +459,12 @@ def compile(fn: Optional[Callable[..., Any]] = None, *, backend: str = "tiered",
     ``@compile`` or ``@compile(backend="inductor")``.  A call is keyed on the arguments'
     structure, tensor metadata (shape, strides, dtype, device, requires_grad), non-tensor
     values and ambient state (grad mode, default dtype, autocast); a new key traces again.
+    A value read into Python (``.item()``, a branch on a tensor's value) or a data-dependent
+    size (``nonzero``) is a graph break: the graph is replayed in segments with a guard on the
+    value read at each break, and another value runs (or traces) the graph for that value.
     Calls inside another functrans transform, and functions that do something a graph cannot
-    bake in (a branch on a tensor's value, ``.item()``), run eagerly (after one
-    ``CompileWarning``); ``cache_info()`` and ``explain`` say why.
+    bake in (``.numpy()``, an in-place write before a read, Python side effects), run eagerly
+    (after one ``CompileWarning``); ``cache_info()`` and ``explain`` say why.
 
     Args:
         fn: the function to compile; ``None`` returns a decorator with these settings.
@@ -344,7 +475,8 @@ def compile(fn: Optional[Callable[..., Any]] = None, *, backend: str = "tiered",
         dynamic: ``True``: trace sizes symbolically, so one graph serves every size its shape
             guards allow; ``False``: one graph per size; ``None``: static, symbolic after a
             second size is seen.
-        strict: raise ``UntraceableError`` instead of warning and running eagerly.
+        strict: raise ``UntraceableError`` instead of warning and running eagerly (graph
+            breaks are allowed).
         cache_size: how many graphs to keep (least recently used evicted beyond it).
 
     Returns:

@@ -155,5 +155,9 @@ def unreplayable_twice(gm: fx.GraphModule) -> "str | None":
     return writes_outside(gm)
 
 
+is_op, is_write, is_random, IDENTITIES = _is_op, _writes, _random, _IDENTITIES
+touched_by_writes = _touched_by_writes
+
+
 def count_ops(graph: fx.Graph) -> int:
     return sum(1 for n in graph.nodes if n.op == "call_function")

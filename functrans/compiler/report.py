@@ -5,15 +5,16 @@
 - ``explain(fn, *args, **kwargs)``: traces ``fn`` (a plain function or a compiled one) on
   these arguments — which runs it once — and returns an ``Explanation``: the graph (one ATen op
   per line), the generated code each op runs through (or the Inductor graph), the guards the
-  graph is filed under (argument structure, tensor metadata, non-tensor values, ambient state)
-  and the captured state it re-reads on every call; ``print`` it.
+  graph is filed under (argument structure, tensor metadata, non-tensor values, ambient state),
+  its segments (each break: the line, what was read and the value its guard compares) and the
+  captured state it re-reads on every call; ``print`` it.
 
 Imports: compiler.cache (CacheInfo, a type), compiler.function, compiler.guards.
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -68,6 +69,7 @@ class Explanation:
     guards: List[str]
     captured: List[str]
     graph: str = ""
+    breaks: List[str] = field(default_factory=list)   # where a segment ends: the value read
 
     def __str__(self) -> str:
         lines = []
@@ -75,6 +77,10 @@ class Explanation:
             lines.append(f"runs eagerly: {self.runs_eagerly}")
         else:
             lines.append(f"graph: {self.ops} ops")
+            if self.breaks:
+                lines.append(f"{len(self.breaks) + 1} segments: each break's value is guarded "
+                             "(another value runs the graph traced for it)")
+                lines += [f"  {b}" for b in self.breaks]
             lines.append((self.graph or self.code).strip("\n"))
         lines.append("guards:")
         lines += [f"  {g}" for g in self.guards]
@@ -152,4 +158,4 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Explanation:
                  for t, _ in entry.constant_meta
                  if entry.captured is None or entry.captured.name_of(t) is None]
     return Explanation(None, code, entry.ops, _describe_key(key), captured,
-                       entry.graph_module.code)
+                       entry.graph_module.code, [r.describe() for r in entry.reads or ()])

@@ -9,6 +9,9 @@ What this module owns
   ``state()`` says which tier serves the entry and why (``cache_info()`` shows it);
   ``wait(timeout)`` blocks until no compilation of this entry is pending (benchmarks, tests).
 
+A graph with breaks (compiler/breaks.py) gets one ``Tiered`` per segment, so each segment
+goes to Inductor on its own once it is hot.
+
 The life of an entry: ``replay`` → after ``HOT_CALLS`` calls and ``HOT_SECONDS`` of replay time
 (or ``HOT_MANY_CALLS`` calls however short), the graph is copied and handed to the compiler
 thread with clones of this call's inputs (``compiling``) → ready: the next call runs both (when
@@ -205,6 +208,11 @@ class Tiered:
             self.on_change(self._tier, why)
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def tier(self) -> str:
+        """'replay', 'compiling' or 'inductor': what serves the entry now."""
+        return self._tier
+
     def state(self) -> str:
         """The tier serving the entry now, and why (for ``cache_info()``)."""
         if self._tier == "compiling" and self._candidate is not None:

@@ -8,17 +8,26 @@ What this module owns
   (the ops run on the real tensors while they are recorded), so its outputs are the first call's
   answer: nothing runs twice, side effects included.  With ``symbolic=True`` tensors are fake
   with symbolic sizes (one graph for every batch size) and nothing runs.
-- what a graph must never bake in, found while tracing (``_Watcher``): a value read back into
-  Python (``.item()``, ``bool()``, ``.tolist()``, ``.numpy()``: a branch on data), an op whose
-  output shape depends on data (tags ``data_dependent_output`` / ``dynamic_output_shape``), and
-  Python-side effects the graph cannot replay (``Captured`` state — what ``fn`` and its object
-  arguments reach — rebound or new tensors stored in it, ``.grad`` written by ``backward()``,
-  tensors made with ``requires_grad=True`` inside).  Each is reported once, with the op and
-  the user's source line, as ``Trace.untraceable``.
+- graph breaks (real mode, ``_Watcher``): a value read back into Python (``.item()``,
+  ``bool()``, an ``if`` on a tensor: ``aten._local_scalar_dense``) is answered from the real
+  tensor and recorded as a ``breaks.Read`` with a ``breaks.read_guard`` node at that point of
+  the graph; an op whose output shape depends on data (tag ``dynamic_output_shape``:
+  ``nonzero``, ``masked_select``) is followed by a ``breaks.size_guard`` on each output, and
+  ``.tolist()`` of a tensor of at most ``breaks.MAX_LIST_VALUES`` values by a
+  ``breaks.list_guard`` (``Trace.reads``).  Guards are then hoisted above writes that do not touch the value read
+  (``breaks.hoist``); a graph that writes into an argument or captured tensor before a guard is
+  untraceable, one that draws random numbers before a guard is marked
+  (``Trace.random_before_read``).
+- what a graph must never bake in, found while tracing: a read it cannot guard (``.tolist()``
+  of a larger tensor, ``.numpy()``, any read in a symbolic trace), and Python-side effects the graph cannot replay
+  (``Captured`` state — what ``fn`` and its object arguments reach — rebound or new tensors
+  stored in it, ``.grad`` written by ``backward()``, tensors made with ``requires_grad=True``
+  inside).  Each is reported once, with the op and the user's source line, as
+  ``Trace.untraceable``.
 - ``tracing()``: whether this thread is inside a trace (a compiled function called inside
   another's trace runs eagerly: its ops are recorded in the outer graph).
 
-Imports: _levels, compiler.guards.
+Imports: _levels, compiler.breaks, compiler.guards.
 """
 from __future__ import annotations
 
@@ -37,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .. import _levels
+from . import breaks
 from .guards import Captured, object_arguments
 
 _tls = threading.local()
@@ -73,46 +83,103 @@ def user_line() -> str:
 
 
 class _Watcher:
-    """Records the first thing a graph must not bake in; lets the trace go on (in real mode the
-    trace is the first call's eager run, so it finishes and its answer is right).
+    """Records the reads a graph is guarded on (real mode) and the first thing a graph must not
+    bake in; lets the trace go on (in real mode the trace is the first call's eager run, so it
+    finishes and its answer is right).
 
     In real mode a value read into Python (``aten._local_scalar_dense``: ``.item()``,
     ``bool()``, an ``if`` on a tensor) is answered here from the real tensor, below no mode:
     make_fx would raise on it, and the function, half run (its in-place writes done), would
-    then have to run again eagerly — applying those writes twice."""
+    then have to run again eagerly — applying those writes twice.  The read is recorded as a
+    ``breaks.Read`` and a ``breaks.read_guard`` node is put into the graph at that point; an op
+    whose output shape depends on the data (``nonzero``) is recorded as make_fx records it, and
+    a ``breaks.size_guard`` node on each of its outputs follows it; ``.tolist()`` of a small
+    tensor gets a ``breaks.list_guard``.  A read the tracer cannot point at a graph value
+    (``.numpy()``, ``.tolist()`` of a larger tensor, a tensor make_fx does not track) is the
+    first untraceable thing instead, and symbolic traces guard nothing."""
 
     def __init__(self, real: bool = True) -> None:
         self.first: Optional[str] = None
+        self.reads: List[breaks.Read] = []
         watcher = self
 
         class Dispatch(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 tags = func.tags
-                if watcher.first is None and any(tag in tags for tag in _DATA_TAGS):
-                    what = ("reads a tensor's value into Python (.item(), bool(), an `if` on "
-                            "a tensor)" if func is _LOCAL_SCALAR
-                            else "has an output whose shape or value depends on the data")
-                    watcher.first = f"{func} {what}, at {user_line()}"
-                if torch.Tag.data_dependent_output in tags and real:
-                    # make_fx refuses to read a traced tensor's value; the graph is given up
-                    # already, so read it below the tracer and let the eager run finish
+                kwargs = kwargs or {}
+                if func is _LOCAL_SCALAR and real:
+                    # make_fx refuses to read a traced tensor's value: read it below the tracer
                     with _disable_current_modes():
-                        return func(*args, **(kwargs or {}))
+                        value = func(*args, **kwargs)
+                    watcher._guard(breaks.read_guard, args[0], value, _READ_WHAT)
+                    return value
+                if any(tag in tags for tag in _DATA_TAGS):
+                    if not real and watcher.first is None:
+                        what = ("reads a tensor's value into Python (.item(), bool(), an `if` "
+                                "on a tensor)" if func is _LOCAL_SCALAR
+                                else "has an output whose shape or value depends on the data")
+                        watcher.first = f"{func} {what}, at {user_line()}"
+                    elif real and torch.Tag.data_dependent_output in tags:
+                        with _disable_current_modes():     # (aten.item: decomposed above)
+                            return func(*args, **kwargs)
+                    elif real:                             # a data-dependent output shape
+                        out = func(*args, **kwargs)
+                        for leaf in pytree.tree_leaves(out):
+                            if isinstance(leaf, torch.Tensor):
+                                watcher._guard(breaks.size_guard, leaf, tuple(leaf.shape),
+                                               f"the shape of {func}'s output, which "
+                                               "depends on the data")
+                        return out
                 if func is _ZERO_TENSOR:
                     # forward AD's symbolic zero tangent: make_fx's proxy of a ZeroTensor
                     # crashed the process in a later op (a segfault in jvp(jacrev(f)) with
                     # index_put); an ordinary zeros tensor has the same values
-                    return torch.ops.aten.zeros.default(*args, **(kwargs or {}))
-                return func(*args, **(kwargs or {}))
+                    return torch.ops.aten.zeros.default(*args, **kwargs)
+                return func(*args, **kwargs)
 
         class Function(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 what = _READ_BACK.get(func)
-                if what is not None and watcher.first is None:
-                    watcher.first = f"{what} reads a tensor's values into Python, at {user_line()}"
+                if what is None:
+                    return func(*args, **(kwargs or {}))
+                if (real and func is torch.Tensor.tolist and len(args) == 1 and not kwargs
+                        and type(args[0]) in (torch.Tensor, torch.nn.Parameter)
+                        and args[0].numel() <= breaks.MAX_LIST_VALUES):
+                    value = func(*args)      # a few values: guarded, all of them
+                    watcher._guard(breaks.list_guard, args[0], value,
+                                   ".tolist() (its values)")
+                    return value
+                if watcher.first is None:
+                    watcher.first = (f"{what} reads a tensor's values into Python, which a "
+                                     f"graph cannot guard, at {user_line()}")
                 return func(*args, **(kwargs or {}))
 
         self._modes = (Function(), Dispatch())
+
+    def _guard(self, guard, tensor: torch.Tensor, value: Any, what: str) -> None:
+        """Put ``guard(tensor's graph value, value, index)`` into the graph at this point."""
+        line = user_line()
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+        mode = get_proxy_mode()
+        if mode is None:
+            if self.first is None:
+                self.first = f"{what} at {line} cannot be guarded (no make_fx tracer)"
+            return
+        try:
+            slot = get_proxy_slot(tensor, mode.tracer, None)
+            if slot is None:
+                # an alias through the tracer: a tensor it does not track (captured state)
+                # becomes a constant as make_fx makes it; the replay's clean() drops the alias
+                slot = get_proxy_slot(torch.ops.aten.alias.default(tensor), mode.tracer)
+            proxy = slot.proxy
+            mode.tracer.create_proxy("call_function", guard, (proxy, value, len(self.reads)),
+                                     {})
+        except Exception as exc:
+            if self.first is None:
+                self.first = (f"{what} at {line} cannot be guarded ({type(exc).__name__}: "
+                              f"{exc})")
+            return
+        self.reads.append(breaks.Read(len(self.reads), value, what, line))
 
     def __enter__(self):
         for mode in self._modes:
@@ -123,6 +190,10 @@ class _Watcher:
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
         return False
+
+
+_READ_WHAT = ("aten._local_scalar_dense: a tensor's value read into Python (.item(), bool(), "
+              "an `if` on a tensor)")
 
 
 _LITERAL_USERS = {torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default}
@@ -166,6 +237,8 @@ class Trace:
     outputs: Any = None            # the first call's answer (real mode only)
     untraceable: Optional[str] = None
     constants: Dict[str, torch.Tensor] = field(default_factory=dict)
+    reads: List[breaks.Read] = field(default_factory=list)   # the graph's breaks, in order
+    random_before_read: bool = False   # a random op runs before some guard
 
 
 def _fn_name(fn: Any) -> str:
@@ -232,6 +305,16 @@ def trace(fn, args: tuple, kwargs: dict, tensors: List[torch.Tensor], *,
         t.requires_grad for t in list(tensors) + constant_tensors)
 
     untraceable = watcher.first
+    random_before_read = False
+    if untraceable is None and watcher.reads:
+        breaks.hoist(gm.graph)
+        written, random_before_read = breaks.prefix_effects(gm.graph)
+        if written is not None:
+            index, op = written
+            untraceable = (f"{_fn_name(fn)} writes outside its graph ({op}) "
+                           f"before it reads a value at {watcher.reads[index].line} "
+                           f"({watcher.reads[index].what}); a call that reads another value "
+                           "there could not undo the write")
     if untraceable is None:
         unknown = _unexplained_constant(gm, captured, tensors)
         if unknown is not None:
@@ -267,4 +350,5 @@ def trace(fn, args: tuple, kwargs: dict, tensors: List[torch.Tensor], *,
                  out_tensor_positions=box["positions"], captured=captured,
                  needs_autograd=needs_autograd, seconds=time.perf_counter() - start,
                  outputs=None if symbolic else box["out"], untraceable=untraceable,
-                 constants=constants)
+                 constants=constants, reads=list(watcher.reads),
+                 random_before_read=random_before_read)

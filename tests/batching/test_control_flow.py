@@ -24,8 +24,7 @@ from torch._higher_order_ops.while_loop import while_loop
 
 import functrans
 from functrans.batching import control_flow
-from functrans.errors import (CompileWarning, FunctransError, UnsupportedUnderVmap,
-                              UntraceableError)
+from functrans.errors import CompileWarning, FunctransError, UnsupportedUnderVmap
 from tests.support.oracles import assert_same, loop_oracle
 
 
@@ -531,26 +530,32 @@ def test_compiled_vmap_of_grad_of_scan_and_map():
         assert g.cache_info().hits == 1 and g.cache_info().eager_calls == 0
 
 
-def test_compiled_while_loop_runs_eagerly_never_a_stale_graph():
+def test_compiled_while_loop_breaks_the_graph_never_a_stale_graph():
+    """Each while_loop test reads an unbatched value (bool of `any example still active`): a
+    graph break per trip, guarded, so other trip counts run a graph traced for them."""
     g = functrans.compile(functrans.vmap(while_f))
     x = torch.stack([torch.full((3,), v) for v in (0.05, 0.5, 2.0)])
-    with pytest.warns(CompileWarning, match="reads a tensor's value"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileWarning)
         assert_same(g(x), _loop(while_ref, (0,), x))
-    x2 = x * 3                                   # other trip counts
-    assert_same(g(x2), _loop(while_ref, (0,), x2))
-    assert g.cache_info().eager_calls >= 1
-    strict = functrans.compile(functrans.vmap(while_f), strict=True)
-    with pytest.raises(UntraceableError):
-        strict(x)
-    # compiled vmap(grad) of the while loop: eager too, and right
+        x2 = x * 3                                   # other trip counts
+        assert_same(g(x2), _loop(while_ref, (0,), x2))
+        assert_same(g(x), _loop(while_ref, (0,), x))
+    info = g.cache_info()
+    assert info.eager_calls == 0 and info.misses == 2 and info.hits == 1, info
+    assert all(e.breaks for e in info.entries), info
+    strict = functrans.compile(functrans.vmap(while_f), strict=True)     # breaks are allowed
+    assert_same(strict(x), _loop(while_ref, (0,), x))
+    # compiled vmap(grad) of the while loop: graph breaks too, and right
     h = functrans.compile(functrans.vmap(functrans.grad(_scalar(CASES["while_loop"][0]))))
-    with pytest.warns(CompileWarning):
-        assert_same(h(x), _per_example(torch.func.grad, _scalar(CASES["while_loop"][1]), x))
+    for xi in (x, x2, x):
+        assert_same(h(xi), _per_example(torch.func.grad, _scalar(CASES["while_loop"][1]), xi))
+    assert h.cache_info().eager_calls == 0
 
 
 def test_compiled_without_a_transform():
     """functrans.compile of the operators alone: scan/map unroll into the graph; a cond on an
-    unbatched predicate reads it (bool), so the function runs eagerly, after a warning."""
+    unbatched predicate reads it (bool): a graph break, each branch a graph of its own."""
     f, ref, make = CASES["scan"]
     g = functrans.compile(f)
     for k in range(2):
@@ -559,9 +564,10 @@ def test_compiled_without_a_transform():
     assert g.cache_info().hits == 1 and g.cache_info().eager_calls == 0
     c = functrans.compile(cond_f)
     x, w = _mixed_x(2), torch.randn(4)
-    with pytest.warns(CompileWarning, match="reads a tensor's value"):
-        assert_same(c(x[0], w), cond_ref(x[0], w))
-    assert_same(c(x[1], w), cond_ref(x[1], w))       # the other branch: eager, right
+    for xi in (x[0], x[1], x[0]):                    # both branches, each its own graph
+        assert_same(c(xi, w), cond_ref(xi, w))
+    info = c.cache_info()
+    assert info.eager_calls == 0 and all(e.segments == 2 for e in info.entries), info
 
 
 # ---------------------------------------------------------------- torch outside functrans

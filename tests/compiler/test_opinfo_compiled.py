@@ -12,9 +12,11 @@ and sample (``SAMPLES`` of them):
 
 A compiled function is called twice on the same arguments (trace, then replay) and once on new
 values of the same shapes; each answer must equal the eager stack's.  Outcomes:
-``compiled`` (served from the graph), ``eager`` (the op's output shape depends on the data, it
-reads a value into Python, or its kernel branches on data, as cov's ``aten.equal`` does: it must
-run eagerly after one ``CompileWarning``, with the eager answer), ``refused`` (eager raises; compiled must raise the same type), ``no_rule``, ``error``
+``compiled`` (served from the graph), ``segmented`` (served from graphs with a break: the op's
+output shape depends on the data, or it reads a value into Python; new values may trace another
+graph), ``eager`` (its kernel branches on data that make_fx refuses, as cov's ``aten.equal``
+does, or a read a graph cannot guard: it must run eagerly after one ``CompileWarning``, with the
+eager answer), ``refused`` (eager raises; compiled must raise the same type), ``no_rule``, ``error``
 or ``wrong`` (the test fails on those two).
 
 ``python -m tests.compiler.test_opinfo_compiled [--ops a,b] [--limit N]`` prints counts.
@@ -77,6 +79,8 @@ def _compare_call(fn, arg_sets) -> str:
         if len(warned) == 1 and any(w in info.eager_reason for w in _BY_DESIGN):
             return "eager"
         return f"error: ran eagerly: {info.eager_reason} (warnings: {warned})"
+    if not warned and not info.eager_calls and any(e.breaks for e in info.entries):
+        return "segmented"      # a graph break: new values may trace a graph of their own
     if warned or info.misses != 1 or info.eager_calls:
         return f"error: {info} (warnings: {warned})"
     return "compiled"
@@ -196,7 +200,7 @@ def test_op_compiled(op):
         pytest.skip(res["skipped"][0])
     bad = failures(res)
     assert not bad, "\n".join(bad)
-    assert any(o in ("compiled", "eager", "refused") for outs in res.values() for o in outs), res
+    assert any(o in ("compiled", "segmented", "eager", "refused") for outs in res.values() for o in outs), res
 
 
 def main(argv=None) -> int:

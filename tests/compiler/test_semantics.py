@@ -232,16 +232,39 @@ def _tolist(x):
     return torch.tensor(x.tolist()) + x
 
 
+def _numpy(x):
+    return torch.from_numpy(x.numpy() * 2) + x
+
+
 def _nonzero(x):
     return torch.nonzero(x > 0).sum() + x
 
 
-@pytest.mark.parametrize("fn,op", [(_branchy, "_local_scalar_dense"),
-                                   (_item, "_local_scalar_dense"),
-                                   (_tolist, ".tolist()"),
-                                   (_nonzero, "nonzero")])
-def test_data_dependent_op_warns_once_and_runs_eagerly(fn, op):
-    compiled = functrans.compile(fn)
+def test_value_reads_and_data_dependent_shapes_break_the_graph():
+    # a branch on a value, an .item() and nonzero's size end a segment each (compiler/breaks.py):
+    # the value read is guarded, and another value runs the graph traced for it
+    for fn, what in [(_branchy, "_local_scalar_dense"), (_item, "_local_scalar_dense"),
+                     (_nonzero, "nonzero"), (_tolist, ".tolist()")]:
+        compiled = functrans.compile(fn)
+        pos, neg = torch.rand(3) + 0.5, -torch.rand(3) - 0.5
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = [compiled(x) for x in (pos, neg, pos, neg)]
+        assert not [w for w in caught if issubclass(w.category, CompileWarning)]
+        for out, x in zip(outs, (pos, neg, pos, neg)):
+            torch.testing.assert_close(out, fn(x))
+        info = compiled.cache_info()
+        assert info.eager_reason is None and info.eager_calls == 0, info
+        assert (info.misses, info.hits, len(info.entries)) == (2, 2, 2), info
+        line = f"{THIS_FILE}:{fn.__code__.co_firstlineno + 1}"
+        assert all(e.segments == 2 and line in e.breaks[0] and what in e.breaks[0]
+                   for e in info.entries), info
+
+
+def test_unguardable_read_warns_once_and_runs_eagerly():
+    # .numpy() shares the tensor's memory: no guard can stand for it, so the function runs
+    # eagerly (so does .tolist() of more than breaks.MAX_LIST_VALUES values)
+    compiled = functrans.compile(_numpy)
     pos, neg = torch.rand(3) + 0.5, -torch.rand(3) - 0.5
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -250,24 +273,42 @@ def test_data_dependent_op_warns_once_and_runs_eagerly(fn, op):
     compile_warnings = [w for w in caught if issubclass(w.category, CompileWarning)]
     assert len(compile_warnings) == 1, [str(w.message) for w in caught]
     message = str(compile_warnings[0].message)
-    assert op in message, message
+    assert ".numpy()" in message, message
     # the user's line (in this file), not a line inside torch or functrans
-    line = fn.__code__.co_firstlineno + 1
+    line = _numpy.__code__.co_firstlineno + 1
     assert f"{THIS_FILE}:{line}" in message, message
-    torch.testing.assert_close(first, fn(pos))
+    torch.testing.assert_close(first, _numpy(pos))
     for out, x in zip(later, (neg, pos, neg)):
-        torch.testing.assert_close(out, fn(x))
+        torch.testing.assert_close(out, _numpy(x))
     info = compiled.cache_info()
-    assert info.eager_reason is not None and op in info.eager_reason
+    assert info.eager_reason is not None and ".numpy()" in info.eager_reason
     assert info.eager_calls == 3 and len(info.entries) == 0
+    big = functrans.compile(_tolist)
+    with pytest.warns(CompileWarning, match="tolist"):
+        big(torch.randn(100))
 
 
-@pytest.mark.parametrize("fn", [_branchy, _item, _tolist, _nonzero])
+def _write_then_branch(x):
+    x.add_(1)
+    if x.sum() > 0:
+        return x * 2
+    return x - 1
+
+
+@pytest.mark.parametrize("fn", [_numpy, _write_then_branch])
 def test_strict_raises_untraceable_error(fn):
     compiled = functrans.compile(fn, strict=True)
     with pytest.raises(UntraceableError) as info:
         compiled(torch.rand(3) + 0.5)
-    assert f"{THIS_FILE}:{fn.__code__.co_firstlineno + 1}" in str(info.value)
+    line = fn.__code__.co_firstlineno + (1 if fn is _numpy else 2)
+    assert f"{THIS_FILE}:{line}" in str(info.value)
+
+
+@pytest.mark.parametrize("fn", [_branchy, _item, _nonzero, _tolist])
+def test_strict_accepts_graph_breaks(fn):
+    compiled = functrans.compile(fn, strict=True)
+    for x in (torch.rand(3) + 0.5, -torch.rand(3) - 0.5):
+        torch.testing.assert_close(compiled(x), fn(x))
 
 
 def test_training_step_returning_item_mutates_once():
@@ -584,8 +625,11 @@ def test_explain_shows_ops_and_guards():
     assert "shape (4, 3)" in text and "value 0.5 (float)" in text
     assert "grad mode: True" in text
     assert "w (closure of f)" in text
-    eager = str(functrans.explain(_item, torch.randn(3)))
-    assert "runs eagerly" in eager and "_local_scalar_dense" in eager
+    eager = str(functrans.explain(_numpy, torch.randn(3)))
+    assert "runs eagerly" in eager and ".numpy()" in eager
+    broken = str(functrans.explain(_branchy, torch.randn(3)))
+    assert "2 segments" in broken and f"{THIS_FILE}:{_branchy.__code__.co_firstlineno + 1}" \
+        in broken and "read_guard" in broken
 
 
 def test_unknown_backend_lists_the_valid_ones():

@@ -88,6 +88,12 @@ def entry_point(node: fx.Node) -> Callable:
     args, kwargs = _as_meta(node.args), _as_meta(dict(node.kwargs))
     if args is _NO_META or kwargs is _NO_META:
         return op._op                 # nothing to check a candidate on: the op's own entry
+    # a random factory (``rand([3], device=cpu)``) has no tensor to put on meta: the check
+    # draws for real, so the generators are put back (the traced call drew what eager draws)
+    random = torch.Tag.nondeterministic_seeded in op.tags
+    cuda = random and torch.cuda.is_available() and torch.cuda.is_initialized()
+    states = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None) \
+        if random else None
     for candidate in _candidates(op):
         recorder = _Recorder()
         try:
@@ -98,6 +104,10 @@ def entry_point(node: fx.Node) -> Callable:
         if recorder.ops == [op]:
             found = candidate
             break
+    if states is not None:
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            torch.cuda.set_rng_state_all(states[1])
     _verified[key] = found
     return found or op._op
 
