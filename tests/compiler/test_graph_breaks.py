@@ -321,7 +321,7 @@ def test_tiered_segments_move_to_inductor_on_their_own(monkeypatch, _runner):
         torch.testing.assert_close(compiled(w, x, y), step(w, x, y))
     assert compiled.wait(timeout=300)
     monkeypatch.setattr(tiering.time, "perf_counter", lambda: 0.0)   # trials measure as instant
-    for _ in range(4):
+    for _ in range(2 * tiering.TRIAL_CALLS + 4):    # the check, then the alternating trial
         torch.testing.assert_close(compiled(w, x, y), step(w, x, y))
     monkeypatch.undo()
     torch.testing.assert_close(compiled(w, x, -y), step(w, x, -y))  # the other branch: traced
