@@ -1,6 +1,7 @@
 """``chunk_size="auto"``: the chunk chosen from a measured memory budget.
 
-What this module owns
+What this module owns:
+
 - ``choose()``: the number of examples a vmap runs at a time under ``chunk_size="auto"``
   (``None``: the whole batch at once), and the ``ChunkChoice`` it records.
 - ``peak_bytes()``: the peak memory of one batched call, measured on fake tensors.
