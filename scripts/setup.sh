@@ -28,7 +28,7 @@ no_deps_extras() {
   "$VPY" -m pip install -q --no-deps transformers==5.18.0 huggingface_hub==1.33.0 \
       tokenizers==0.23.2 safetensors==0.8.0 regex==2026.9.29 tqdm==4.70.1 \
       httpx==0.28.1 httpcore==1.0.9 anyio==4.15.1 h11==0.16.0 sniffio==1.3.1 hf-xet==1.6.0 \
-      "click>=8.4.2" timm==1.0.29 torchvision==0.28.0 pillow
+      "click>=8.4.2" pyyaml timm==1.0.29 torchvision==0.28.0 pillow
 }
 case "$extra" in
   "") "$VPY" -m pip install -q -e . ;;

@@ -16,7 +16,8 @@ take a transform library (``functrans`` or ``torch.func``) so that the tests and
 PyTorch, one example (or one model) at a time.
 
 Optional packages: ``import_transformers()`` / ``import_timm()`` raise ``ImportError`` with the
-reason when a package is missing (tests turn it into a skip).  Note [torchvision beside a CPU
+reason when a package is not installed (tests turn it into a skip), ``RuntimeError`` when it is
+installed but does not import (a failure).  Note [torchvision beside a CPU
 torch]: timm imports torchvision, and so does transformers once torchvision is installed.  The
 torchvision wheels on PyPI for Linux are CUDA builds; beside a CPU build of torch their C
 extension cannot load (it needs ``libc10_cuda.so``), and torchvision's Python part then fails on
@@ -73,12 +74,19 @@ def import_timm():
 
 
 def _import(name):
-    _torchvision_importable()
+    """The package, or ImportError (a skip) when it is not installed.  An installed package
+    that does not import (a dependency missing from scripts/setup.sh's --no-deps list: pyyaml
+    once hid every test here as a skip) is a RuntimeError: a failure, never a skip."""
+    if importlib.util.find_spec(name) is None:
+        raise ImportError(f"{name} is not installed: pip install functrans[models], or "
+                          "bash scripts/setup.sh dev")
     try:
+        _torchvision_importable()
         module = importlib.import_module(name)
     except ImportError as e:
-        raise ImportError(f"{name} is not installed ({e}): pip install functrans[models], or "
-                          "bash scripts/setup.sh dev") from e
+        raise RuntimeError(f"{name} is installed but does not import ({e}): a dependency is "
+                           "missing; scripts/setup.sh installs the models extra's with "
+                           "--no-deps") from e
     if name == "transformers":
         module.logging.set_verbosity_error()
     return module
