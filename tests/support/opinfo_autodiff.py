@@ -83,7 +83,20 @@ def _example(b, bdim, i, fresh: bool = False):
     example's own clone() instead, keeping its memory order, for the ops that address storage
     (the as_strided family: see tests.support.opinfo_sweep.run_check)."""
     e = b.select(bdim, i)
+    if fresh == "storage":   # as_strided / as_strided_copy: where example 0 sits (opinfo_sweep)
+        from tests.support.opinfo_sweep import _where_example_zero_sits
+        return _where_example_zero_sits(e, b.select(bdim, 0).storage_offset())
     return e.clone() if fresh else e.clone(memory_format=torch.contiguous_format)
+
+
+def _fresh(name: str):
+    """How the loop oracle makes examples of the storage-addressing ops: as_strided and
+    as_strided_copy at example 0's place in a copy of the storage (each example viewed as
+    example 0 is: Note [as_strided under vmap]), as_strided_scatter a fresh clone (eager writes
+    into one); every other op contiguous."""
+    if name in ("as_strided", "as_strided_copy") or name.startswith("as_strided."):
+        return "storage"
+    return name.startswith("as_strided")
 
 
 def _loop(fn, bdim, *batches, fresh: bool = False):
@@ -309,7 +322,7 @@ def sweep_op_layouts(op, *, full: bool,
             for bdim in (0, -1):
                 try:
                     checks = _layout_checks_for(g, diff, layout, bdim, flat.randomness, written,
-                                                fresh=op.name.startswith("as_strided"))
+                                                fresh=_fresh(op.name))
                 except Exception:
                     continue
                 for name, (run, ref, batches) in checks.items():
