@@ -74,11 +74,14 @@ def child_env() -> Dict[str, str]:
                 PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
 
 
-def run_child(module: str, args: List[str], timeout: Optional[float] = None) -> dict:
-    """``python -m <module> <args>`` in a fresh process with ``child_env()``: the JSON object
-    on the last line of its stdout, or ``{"error": ...}``."""
+def run_child(module: str, args: List[str], timeout: Optional[float] = None,
+              measure_memory: bool = True) -> dict:
+    """``python -m <module> <args>`` in a fresh process (with ``child_env()`` when
+    ``measure_memory``; else this process's environment): the JSON object on the last line of
+    its stdout, or ``{"error": ...}`` ("exit N: <last line of stderr>" when it failed)."""
     try:
-        proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=child_env(),
+        proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT,
+                              env=child_env() if measure_memory else None,
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:g} s"}

@@ -51,7 +51,6 @@ import math
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -190,21 +189,14 @@ def _settle_tiers(fn, row: Row, name: str, want) -> str:
 
 def run_anchor(w: Workload, device, rounds: int, min_time: float, timeout: float) -> dict:
     """The torch.compile(torch.func) column, measured by benchmarks/anchor.py in a subprocess."""
-    cmd = [sys.executable, "-m", "benchmarks.anchor", w.id, "--device", str(device),
-           "--rounds", str(rounds), "--min-time", str(min_time)]
-    try:
-        proc = subprocess.run(cmd, cwd=README.parent, capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:g} s"}
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode == 0 and lines:
-        try:
-            return json.loads(lines[-1])
-        except ValueError:
-            pass
-    last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]
-    return {"error": f"crashed (exit {proc.returncode}): {last}"}
+    out = peak_memory.run_child("benchmarks.anchor", [w.id, "--device", str(device), "--rounds",
+                                                      str(rounds), "--min-time", str(min_time)],
+                                timeout=timeout, measure_memory=False)
+    error = out.get("error", "")
+    if error.startswith("exit "):               # "exit N: why" -> "crashed (exit N): why"
+        code, _, why = error[len("exit "):].partition(": ")
+        out["error"] = f"crashed (exit {code}): {why}"
+    return out
 
 
 def _compiled_targets(w: Workload, r: dict) -> List[tuple]:

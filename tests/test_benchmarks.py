@@ -96,7 +96,7 @@ def test_a_crashing_anchor_costs_one_cell(monkeypatch):
         assert cmd[1:3] == ["-m", "benchmarks.anchor"] and "hessian[D=64]" in cmd
         return subprocess.CompletedProcess(cmd, -6, "", "...\nRuntimeError: internal assert\n")
 
-    monkeypatch.setattr(table.subprocess, "run", dies)
+    monkeypatch.setattr(table.peak_memory.subprocess, "run", dies)
     w = next(w for w in SMALL if w.name == "hessian")
     anchor = table.run_anchor(w, torch.device("cpu"), 1, 0.0, timeout=10)
     assert anchor == {"error": "crashed (exit -6): RuntimeError: internal assert"}

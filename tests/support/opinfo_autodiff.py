@@ -274,20 +274,34 @@ def _skip(op) -> Optional[str]:
     return None if op.supports_autograd else "no autograd support"
 
 
-def sweep_op(op, *, full: bool, impls: Sequence[str] = tuple(IMPLS)) -> Dict[str, object]:
-    """{"skipped": reason} or {(impl, check): [outcome or 'error: msg', ...]}"""
+def _usable_samples(op, count: int):
+    """(flat, g, diff) of the op's first ``count`` samples whose function has outputs, or
+    {"skipped": reason} when the op (or its sample generation) cannot be swept."""
     reason = _skip(op)
     if reason:
         return {"skipped": reason}
-    results: Dict[object, List[str]] = collections.defaultdict(list)
     try:
-        samples = list(_samples(op, FULL_SAMPLES if full else FAST_SAMPLES))
+        samples = list(_samples(op, count))
     except Exception as e:  # pragma: no cover - OpInfo sample generation itself failed
         return {"skipped": f"samples: {e}"}
+    usable = []
     for flat, g, diff in samples:
         try:
-            if not g(*diff):
-                continue
+            if g(*diff):
+                usable.append((flat, g, diff))
+        except Exception:
+            continue
+    return usable
+
+
+def sweep_op(op, *, full: bool, impls: Sequence[str] = tuple(IMPLS)) -> Dict[str, object]:
+    """{"skipped": reason} or {(impl, check): [outcome or 'error: msg', ...]}"""
+    samples = _usable_samples(op, FULL_SAMPLES if full else FAST_SAMPLES)
+    if isinstance(samples, dict):
+        return samples
+    results: Dict[object, List[str]] = collections.defaultdict(list)
+    for flat, g, diff in samples:
+        try:
             checks = _checks_for(g, diff, flat.randomness)
         except Exception:
             continue
@@ -303,18 +317,12 @@ def sweep_op_layouts(op, *, full: bool,
     """The layout checks: {"skipped": reason} or {(impl, check, layout): [outcome, ...]} over
     in_dims 0 and -1 (``full``: LAYOUT_SAMPLES samples and every layout; else one sample and
     the layouts other than "stacked")."""
-    reason = _skip(op)
-    if reason:
-        return {"skipped": reason}
+    samples = _usable_samples(op, LAYOUT_SAMPLES if full else LAYOUT_FAST_SAMPLES)
+    if isinstance(samples, dict):
+        return samples
     results: Dict[object, List[str]] = collections.defaultdict(list)
-    try:
-        samples = list(_samples(op, LAYOUT_SAMPLES if full else LAYOUT_FAST_SAMPLES))
-    except Exception as e:  # pragma: no cover - OpInfo sample generation itself failed
-        return {"skipped": f"samples: {e}"}
     for flat, g, diff in samples:
         try:
-            if not g(*diff):
-                continue
             written = layouts.written_inputs(g, diff)
         except Exception:
             continue
