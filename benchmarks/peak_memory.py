@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from typing import Callable, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,16 +76,21 @@ def child_env() -> Dict[str, str]:
 
 
 def run_child(module: str, args: List[str], timeout: Optional[float] = None,
-              measure_memory: bool = True) -> dict:
+              measure_memory: bool = True, cold_inductor_cache: bool = False) -> dict:
     """``python -m <module> <args>`` in a fresh process (with ``child_env()`` when
-    ``measure_memory``; else this process's environment): the JSON object on the last line of
-    its stdout, or ``{"error": ...}`` ("exit N: <last line of stderr>" when it failed)."""
-    try:
-        proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT,
-                              env=child_env() if measure_memory else None,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:g} s"}
+    ``measure_memory``; else this process's environment; ``cold_inductor_cache``: with an empty
+    Inductor cache directory of its own, so its compilations are the first a new user pays):
+    the JSON object on the last line of its stdout, or ``{"error": ...}`` ("exit N: <last line
+    of stderr>" when it failed)."""
+    env = child_env() if measure_memory else dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="inductor-cache-") as cache:
+        if cold_inductor_cache:
+            env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        try:
+            proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:g} s"}
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
         try:

@@ -29,12 +29,12 @@ per process (importing dynamo, the first make_fx, inductor's first compile) repo
 ``--no-anchor`` skips the subprocess column, ``--backends replay`` the inductor one.
 
 Peak memory (``--memory``, opt-in: a subprocess per cell, about 3-5 s each): for each row, the
-implementations of ``--memory-impls`` (default: functrans, torch.func and the replay-compiled
-functrans callable) each run in a fresh process (benchmarks/cell_memory.py, with
+implementations of ``--memory-impls`` (default: functrans and torch.func eager, the functrans
+callable compiled by each backend, torch.compile(torch.func)) each run in a fresh process (benchmarks/cell_memory.py, with
 benchmarks/peak_memory.py's ``MALLOC_MMAP_THRESHOLD_=65536``): two warm-up calls, then one call
 whose peak above the resident set before it is read from ``VmHWM`` (reset before the call; on
 CUDA ``max_memory_allocated``).  The table then has a ``peak MB`` column per implementation
-and the ratio functrans / torch.func.
+, the ratio functrans / torch.func and the largest compiled peak over functrans eager's.
 
 A row that needs an optional package that is missing (the Opacus rows, benchmarks/opacus_rows.py)
 is printed as SKIPPED with the reason and how to install it; it neither fails nor counts as
@@ -48,6 +48,7 @@ import datetime
 import importlib.util
 import json
 import math
+import os
 import platform
 import re
 import statistics
@@ -67,7 +68,9 @@ from .workloads import (ANCHOR, COMPILED, FIRST_CALL_S, INDUCTOR_VS_ANCHOR, TIER
                         Workload)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-MEMORY_IMPLS = ("functrans", "torch.func", "ft.compile replay")
+COLD_INDUCTOR_CACHE = True     # each anchor process compiles with an empty Inductor cache
+MEMORY_IMPLS = ("functrans", "torch.func", "ft.compile tiered", "ft.compile replay",
+                "ft.compile inductor", "torch.compile(torch.func)")
 
 
 def _sync(device: torch.device) -> None:
@@ -163,16 +166,18 @@ def compile_columns(row: Row, backends) -> Dict[str, dict]:
             _assert_agree(second, want, row, name)
             out[name] = {"fn": fn, "first_calls_s": seconds}
             if backend == "tiered":
-                out[name]["tier"] = _settle_tiers(fn, row, name, want)
+                out[name]["tier"] = settle_tiers(
+                    fn, lambda got, name=name: _assert_agree(got, want, row, name))
         except Exception as e:                  # the cell fails, the row goes on
             out[name] = {"error": _why(e)}
     return out
 
 
-def _settle_tiers(fn, row: Row, name: str, want) -> str:
-    """Call the tiered function until its graph is hot, wait for the background compilation,
-    and call it through the trial, so that the timed calls are its steady state; the tier it
-    settled on ("inductor" or "replay") and why."""
+def settle_tiers(fn, check=lambda got: None) -> str:
+    """Call the tiered function (of no arguments) until its graph is hot, wait for the
+    background compilation, and call it through the trial (``check`` sees each result), so that
+    the calls after it are its steady state; the tier it settled on ("inductor" or "replay")
+    and why."""
     from functrans.compiler import tiering
     start = time.perf_counter()
     for _ in range(tiering.HOT_CALLS + tiering.HOT_MANY_CALLS + 10):
@@ -182,16 +187,18 @@ def _settle_tiers(fn, row: Row, name: str, want) -> str:
             break
     fn.wait(timeout=900)
     for _ in range(2 * tiering.TRIAL_CALLS + 6):
-        _assert_agree(fn(), want, row, name)
+        check(fn())
     entry = fn.cache_info().entries[0]
     return entry.tier.replace("tier: ", "", 1)
 
 
 def run_anchor(w: Workload, device, rounds: int, min_time: float, timeout: float) -> dict:
-    """The torch.compile(torch.func) column, measured by benchmarks/anchor.py in a subprocess."""
+    """The torch.compile(torch.func) column, measured by benchmarks/anchor.py in a subprocess
+    (with an empty Inductor cache of its own unless the run keeps the usual on-disk one)."""
     out = peak_memory.run_child("benchmarks.anchor", [w.id, "--device", str(device), "--rounds",
                                                       str(rounds), "--min-time", str(min_time)],
-                                timeout=timeout, measure_memory=False)
+                                timeout=timeout, measure_memory=False,
+                                cold_inductor_cache=COLD_INDUCTOR_CACHE)
     error = out.get("error", "")
     if error.startswith("exit "):               # "exit N: why" -> "crashed (exit N): why"
         code, _, why = error[len("exit "):].partition(": ")
@@ -376,12 +383,25 @@ def _peak_cell(cell: Optional[dict]) -> str:
     return f"{mb:.2f}" if mb < 10 else f"{mb:,.0f}"
 
 
+def _compiled_over_eager(cells: Dict[str, dict]) -> str:
+    """The largest peak of the functrans.compile cells over functrans eager's (issue 26: a
+    compiled function's peak is at most eager's), with which backend it is."""
+    eager = cells.get("functrans", {}).get("peak_mb", 0)
+    compiled = [(c["peak_mb"], impl.replace("ft.compile ", "")) for impl, c in cells.items()
+                if impl.startswith("ft.compile") and "peak_mb" in c]
+    if eager <= 0 or not compiled:
+        return "–"
+    mb, backend = max(compiled)
+    return f"{mb / eager:.2f} ({backend})"
+
+
 def format_table(results: List[dict], markdown: bool) -> str:
     head = ["workload", "size", "functrans ms", "torch.func ms", "loop ms", "closed form ms",
             "ft / torch.func", "loop / ft", "ft / closed", "target (ft / torch.func)"]
     mem = _memory_impls(results)
     if mem:
-        head += [f"{impl} peak MB" for impl in mem] + ["peak ft / torch.func"]
+        head += [f"{impl} peak MB" for impl in mem] + ["peak ft / torch.func",
+                                                          "peak ft.compile / ft eager"]
     pad = len(head) - 3
     rows = []
     for r in results:
@@ -402,6 +422,7 @@ def format_table(results: List[dict], markdown: bool) -> str:
             ft_, tf = cells.get("functrans", {}), cells.get("torch.func", {})
             row.append(f"{ft_['peak_mb'] / tf['peak_mb']:.2f}"
                        if tf.get("peak_mb", 0) > 0 and "peak_mb" in ft_ else "–")
+            row.append(_compiled_over_eager(cells))
         rows.append(row)
     ok = [row for row in rows if not row[2].startswith(("FAILED", "SKIPPED"))]
     if markdown:
@@ -456,8 +477,16 @@ def main(argv=None) -> int:
                     help="add peak-memory columns (a subprocess per cell: slower)")
     ap.add_argument("--memory-impls", default=",".join(MEMORY_IMPLS),
                     help="implementations measured by --memory (comma-separated)")
+    ap.add_argument("--warm-inductor-cache", action="store_true",
+                    help="compile with Inductor's usual on-disk cache (default: an empty one "
+                         "for this run, so that first calls are those of a new user)")
     args = ap.parse_args(argv)
     memory = tuple(i for i in args.memory_impls.split(",") if i) if args.memory else ()
+    global COLD_INDUCTOR_CACHE
+    COLD_INDUCTOR_CACHE = not args.warm_inductor_cache
+    if COLD_INDUCTOR_CACHE:
+        import tempfile
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cache-")
     backends = tuple(b for b in args.backends.split(",") if b)
 
     device = torch.device(args.device)
