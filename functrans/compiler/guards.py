@@ -294,10 +294,15 @@ class Captured:
             if id(obj) in seen or depth > _MAX_DEPTH:
                 continue
             seen.add(id(obj))
+            # a module's submodules and tensors are one structure however deep it nests
+            # (BERT's attention weights sit 8 modules down): depth bounds other objects
+            in_module = isinstance(obj, torch.nn.Module)
             for child in self._children(obj, name):
                 kind, holder, key, child_name, value = child
                 step = (kind, holder, key, value)
-                stack.append((value, child_name, depth + 1, path + (step,)))
+                flat = in_module and isinstance(value, (torch.nn.Module, _Tensor))
+                stack.append((value, child_name, depth if flat else depth + 1,
+                              path + (step,)))
         return self
 
     def _add_path(self, path: tuple, name: str) -> None:

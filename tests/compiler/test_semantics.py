@@ -111,6 +111,34 @@ def test_tensor_in_a_default_argument_is_captured_state():
         assert "defaults" in str(explained), explained
 
 
+def test_parameters_deep_in_a_module_tree_are_captured_state():
+    """A model nested ten modules deep, reached through two closures (a benchmark's
+    ``lambda: run(ft)`` around ``lambda lib: per_sample_grads(lib, model, ...)``): BERT's
+    attention weights sat past the walk's depth limit, so the graph held them as unexplained
+    constants and the compiled function ran eagerly."""
+    model = nn.Linear(3, 3)
+    for _ in range(10):
+        model = nn.Sequential(nn.Identity(), model)
+    x = torch.randn(4, 3)
+
+    def run(lib):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        return lib.vmap(lib.grad(lambda p, xi: lib.functional_call(model, p, (xi,)).sum()),
+                        in_dims=(None, 0))(params, x)
+    compiled = functrans.compile(lambda: run(functrans))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileWarning)
+        for _ in range(2):
+            got, want = compiled(), run(torch.func)
+            assert got.keys() == want.keys()
+            for k in got:
+                torch.testing.assert_close(got[k], want[k])
+            with torch.no_grad():
+                model[1][1][1][1][1][1][1][1][1][1].weight.mul_(-2)   # read at call time
+    info = compiled.cache_info()
+    assert info.misses == 1 and info.hits == 1 and not info.eager_calls, info
+
+
 def test_global_tensor_rebound_and_global_scalar_changed():
     global _GLOBAL_W, _GLOBAL_SCALE
     saved = _GLOBAL_W, _GLOBAL_SCALE
