@@ -69,8 +69,12 @@ class VmapLevel(Level):
 def compiling() -> bool:
     """Is torch.compile tracing (dynamo, or AOTAutograd behind it)?  ``is_compiling()`` alone
     is False during dynamo's fake-tensor runs of a higher-order operator on torch 2.11; the
-    tracing context is set then."""
-    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+    tracing context is set then (not the one ``functrans.compile``'s own real-mode trace sets for
+    its shape metadata, marked ``functrans_metadata_only``)."""
+    if torch.compiler.is_compiling():
+        return True
+    context = torch._guards.TracingContext.try_get()
+    return context is not None and not getattr(context, "functrans_metadata_only", False)
 
 
 def compile_trace() -> contextlib.AbstractContextManager:

@@ -78,7 +78,9 @@ def _one_fake_mode():
 
     if TracingContext.try_get() is not None:    # inside someone else's compilation: theirs
         return contextlib.nullcontext()
-    return tracing_context(TracingContext(_metadata_mode()))
+    context = TracingContext(_metadata_mode())
+    context.functrans_metadata_only = True    # not torch.compile's: _levels.compiling() is False
+    return tracing_context(context)
 
 
 _METADATA_MODE: Optional[type] = None
