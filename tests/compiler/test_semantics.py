@@ -389,6 +389,58 @@ def test_dropout_under_vmap_randomness(randomness):
     assert compiled.cache_info().misses == 1
 
 
+def _dropout_reseeded(x):
+    """OpInfo's wrapper_set_seed: the same mask on every call, the generator left as it was."""
+    state = torch.get_rng_state()
+    torch.manual_seed(42)
+    out = torch.nn.functional.dropout(x, 0.5)
+    torch.set_rng_state(state)
+    return out
+
+
+def _dropout_then_seed(x):
+    out = torch.nn.functional.dropout(x, 0.5)
+    torch.manual_seed(7)                 # after its last draw: the caller's next draws change
+    return out
+
+
+@pytest.mark.parametrize("f,when", [(_dropout_reseeded, "before aten.bernoulli_"),
+                                    (_dropout_then_seed, "after its last random op")])
+def test_a_change_of_the_generator_state_inside_runs_eagerly(f, when):
+    # a graph replays the random ops, not torch.manual_seed / set_rng_state between or after
+    # them: replayed, _dropout_reseeded drew another mask every call (a wrong answer)
+    compiled = functrans.compile(f)
+    x = torch.ones(64)
+    with pytest.warns(CompileWarning, match="random number generator's state was changed"):
+        compiled(x)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        out, after = compiled(x), torch.rand(3)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(out, f(x))
+        torch.testing.assert_close(after, torch.rand(3))
+    info = compiled.cache_info()
+    assert when in info.eager_reason and info.eager_calls == 2, info
+
+
+def test_vmap_randomness_same_in_chunks_runs_eagerly():
+    # vmap(randomness="same", chunk_size=...) puts the generator back before each chunk, so
+    # every chunk draws the same numbers; a replayed graph would draw new ones for the second
+    def f(r):
+        return r + torch.randn(3)
+    eager = functrans.vmap(f, randomness="same", chunk_size=2)
+    compiled = functrans.compile(eager)
+    x = torch.zeros(4, 3)
+    with pytest.warns(CompileWarning, match="random number generator's state was changed"):
+        compiled(x)
+    for seed in (3, 3):
+        torch.manual_seed(seed)
+        out = compiled(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(out, eager(x))
+        assert all(torch.equal(out[0], row) for row in out)
+
+
 # ------------------------------------------------------------------------------ autograd
 def test_backward_through_output_reaches_arguments_and_captured():
     w = torch.randn(4, 3, requires_grad=True)
