@@ -557,6 +557,35 @@ def test_function_error_propagates_unchanged():
     torch.testing.assert_close(compiled(square), square @ square)
 
 
+def _vjp_of(f, *held):
+    return lambda p, ct: functrans.vjp(lambda p: f(p, *held), p)[1](ct)
+
+
+F = torch.nn.functional
+
+
+@pytest.mark.parametrize("fn,good,bad,error", [
+    # _linalg_check_errors returns nothing: an op kept for its effect
+    (torch.linalg.cholesky, (torch.eye(3),), (-torch.eye(3),), torch.linalg.LinAlgError),
+    # the vjp needs only the backward of binary_cross_entropy / embedding: their forward,
+    # unused, still checks the input's range / the indices, as the eager call does
+    (_vjp_of(F.binary_cross_entropy, torch.full((3,), 0.3)),
+     (torch.full((3,), 0.5), torch.tensor(1.0)),
+     (torch.tensor([0.5, 1.5, 0.5]), torch.tensor(1.0)), RuntimeError),
+    (lambda w, i, ct: functrans.vjp(lambda w: F.embedding(i, w), w)[1](ct),
+     (torch.ones(4, 2), torch.tensor([1, 2]), torch.ones(2, 2)),
+     (torch.ones(4, 2), torch.tensor([1, 7]), torch.ones(2, 2)), IndexError),
+], ids=["cholesky", "vjp-binary_cross_entropy", "vjp-embedding"])
+def test_replay_raises_the_errors_of_ops_whose_result_is_unused(fn, good, bad, error):
+    compiled = functrans.compile(fn, backend="replay")
+    torch.testing.assert_close(compiled(*good), fn(*good))
+    with pytest.raises(error):
+        fn(*bad)
+    with pytest.raises(error):
+        compiled(*bad)                   # the graph traced on good values, replayed
+    assert compiled.cache_info().misses == 1
+
+
 def _per_example_grads_in_threads(backend, threads, calls, size):
     """``compile(vmap(grad(loss)))`` called from several threads at once, each call checked
     against torch.func; the compiled function, for the caller's own checks."""
