@@ -80,8 +80,9 @@ class CompileWarning(UserWarning):
     """A ``functrans.compile``d function runs eagerly (or on another backend than asked), and
     why: a value read it cannot guard (``.numpy()``), an in-place write before a value read, a
     value read taking more values than graphs are worth, a Python side effect a graph cannot
-    replay.  (A branch on a tensor's value or a data-dependent size is a graph break, not a
-    warning.)  Raised instead as ``UntraceableError`` with ``strict=True``."""
+    replay (a change of the random generators' state outside a random op among them).  (A
+    branch on a tensor's value or a data-dependent size is a graph break, not a warning.)
+    Raised instead as ``UntraceableError`` with ``strict=True``."""
 
 
 class UntraceableError(FunctransError):

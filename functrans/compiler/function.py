@@ -463,7 +463,8 @@ def compile(fn: Optional[Callable[..., Any]] = None, *, backend: str = "tiered",
     size (``nonzero``) is a graph break: the graph is replayed in segments with a guard on the
     value read at each break, and another value runs (or traces) the graph for that value.
     Calls inside another functrans transform, and functions that do something a graph cannot
-    bake in (``.numpy()``, an in-place write before a read, Python side effects), run eagerly
+    bake in (``.numpy()``, an in-place write before a read, Python side effects, a re-seeding of
+    the random generator), run eagerly
     (after one ``CompileWarning``); ``cache_info()`` and ``explain`` say why.
 
     Args:

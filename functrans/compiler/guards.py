@@ -3,7 +3,8 @@ a graph read from outside its arguments.
 
 What this module owns
 - ``call_key(args, kwargs)``: one hashable key for everything a trace baked in from the call:
-  the pytree structure of the arguments, each tensor's shape, strides, dtype, device, layout and
+  the pytree structure of the arguments, each tensor's shape, significant strides
+  (``tensor_meta``: not those of a size-1 dim or an empty tensor), dtype, device, layout and
   requires_grad, the value (and type) of every non-tensor leaf, and the ambient state
   (``ambient()``: grad mode, inference mode, default dtype, autocast on CPU and CUDA with the
   dtype it casts to).  It also
@@ -72,9 +73,25 @@ def is_tensor_part(part: Any) -> bool:
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:
+    """(shape, significant strides, dtype, device, requires_grad): the strides as torch counts
+    them significant (``torch._prims_common.check_significant_strides``; Inductor's
+    ``assert_size_stride`` skips the same ones), None where a stride addresses nothing: a dim
+    of size 1 (its only index is 0) and every dim of an empty tensor.  Two tensors that differ
+    only there hold the same elements at the same offsets, so one graph serves both (a
+    transposed ``(3, 1)`` column, strides ``(1, 3)``, and a contiguous one, ``(1, 1)``)."""
     if t.layout is not torch.strided:
         raise Unguardable(f"a tensor with layout {t.layout} (only strided tensors are traced)")
-    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+    shape, stride = t.shape, t.stride()
+    if 1 in shape or 0 in shape:
+        stride = (None,) * len(stride) if 0 in shape else tuple(
+            st if size > 1 else None for size, st in zip(shape, stride))
+    return (shape, stride, t.dtype, t.device, t.requires_grad)
+
+
+def strides_text(stride: tuple) -> str:
+    """A key's strides in words: ``*`` where a stride is not significant (``tensor_meta``)."""
+    parts = ["*" if st is None else str(st) for st in stride]
+    return f"({parts[0]},)" if len(parts) == 1 else f"({', '.join(parts)})"
 
 
 def _walk(obj: Any, tensors: List[torch.Tensor], sig: list) -> bool:
@@ -142,7 +159,7 @@ def dynamic_key(key: tuple) -> tuple:
             for size in reversed(shape):
                 expected.append(acc)
                 acc *= max(size, 1)
-            contiguous = all(st == e or sz <= 1 for st, e, sz in
+            contiguous = all(st is None or st == e or sz <= 1 for st, e, sz in
                              zip(stride, reversed(expected), shape))
             out.append(("sym", len(shape), contiguous, dtype, device, rg))
         else:
@@ -205,6 +222,8 @@ def describe_difference(old: tuple, new: tuple) -> str:
         if a_tensor and b_tensor:
             for what, x, y in zip(("shape", "strides", "dtype", "device", "requires_grad"), a, b):
                 if x != y:
+                    if what == "strides":
+                        x, y = strides_text(x), strides_text(y)
                     return (f"tensor argument {tensor_i}: {what} "
                             f"{tuple(x) if isinstance(x, torch.Size) else x} -> "
                             f"{tuple(y) if isinstance(y, torch.Size) else y}")

@@ -2,7 +2,11 @@
 
 What this module owns
 - ``clean(graph, keep_autograd)``: dead code removed (random ops and ops that write are kept:
-  dropping a random op would shift the generator's stream); with ``keep_autograd=False`` (the
+  dropping a random op would shift the generator's stream; so are ops that return nothing,
+  such as ``_linalg_check_errors``, and every op that may raise on its inputs' values: only an
+  op known not to (``_value_blind``) is dropped, so a replay raises the eager call's errors,
+  such as ``binary_cross_entropy``'s on an input outside [0, 1] in a vjp that needs only its
+  backward); with ``keep_autograd=False`` (the
   replay runs under no_grad) also ``alias``/``detach``/``lift_fresh`` and views that change
   nothing (same shape and strides) replaced by their input, and common subexpressions shared.
   A node that could see a write — it is written, or shares storage through views with a node
@@ -39,11 +43,42 @@ def _random(node: fx.Node) -> bool:
     return _is_op(node) and torch.Tag.nondeterministic_seeded in node.target.tags
 
 
+# Ops that cannot raise on the values of their tensor arguments (only on their shapes and
+# dtypes, which the trace fixed), beyond views, identities and the tags ``_value_blind`` takes.
+_BLIND_PACKETS = {getattr(aten, name) for name in (
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot",
+    "_to_copy", "copy", "_unsafe_view", "cat", "stack", "constant_pad_nd",
+    "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
+    "zeros_like", "ones_like", "empty_like", "full_like",
+    "new_zeros", "new_ones", "new_empty", "new_full", "select_backward", "slice_backward")}
+
+
+def _value_blind(node: fx.Node) -> bool:
+    """Whether an unused op may be dropped without losing an error the eager call raises: a
+    view, an identity, a reduction, a pointwise op with a floating, complex or bool output (an
+    integral one may divide by zero), an op of ``_BLIND_PACKETS``, or one without tensor
+    arguments.  Any other op may check its inputs' values in its kernel (binary_cross_entropy's
+    range, embedding's indices, ...), so an eager call of it can raise."""
+    target = node.target
+    if target.is_view or target in _IDENTITIES or target.overloadpacket in _BLIND_PACKETS:
+        return True
+    if torch.Tag.reduction in target.tags or not node.all_input_nodes:
+        return True
+    if torch.Tag.pointwise in target.tags:
+        val = node.meta.get("val")
+        return isinstance(val, torch.Tensor) and (
+            val.dtype.is_floating_point or val.dtype.is_complex or val.dtype == torch.bool)
+    return False
+
+
 def _is_impure(node: fx.Node) -> bool:
     if node.op in ("placeholder", "output"):
         return True
-    return _writes(node) or _random(node) or (
-        node.op == "call_function" and not _is_op(node) and node.target is not operator.getitem)
+    if node.op == "call_function" and _is_op(node):
+        # an op returning nothing is there for its effect: a check (_linalg_check_errors)
+        return (_writes(node) or _random(node) or not node.target._schema.returns
+                or not _value_blind(node))
+    return node.op == "call_function" and node.target is not operator.getitem
 
 
 def _touched_by_writes(graph: fx.Graph) -> Set[fx.Node]:

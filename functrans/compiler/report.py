@@ -21,7 +21,7 @@ import torch
 
 from .cache import CacheInfo
 from .function import CompiledFunction, all_compiled, compile
-from .guards import AMBIENT_NAMES, ambient, call_key, is_tensor_part
+from .guards import AMBIENT_NAMES, ambient, call_key, is_tensor_part, strides_text
 
 
 @dataclass
@@ -96,7 +96,7 @@ def _describe_key(key: Any) -> List[str]:
     for part in sig:
         if is_tensor_part(part):
             shape, stride, dtype, device, rg = part
-            out.append(f"tensor {tensor_i}: shape {tuple(shape)}, strides {tuple(stride)}, "
+            out.append(f"tensor {tensor_i}: shape {tuple(shape)}, strides {strides_text(stride)}, "
                        f"{dtype}, {device}, requires_grad={rg}")
             tensor_i += 1
         elif type(part) is tuple and len(part) == 2 and part[0] in (tuple, list, dict):

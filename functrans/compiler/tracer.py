@@ -22,7 +22,8 @@ What this module owns
   of a larger tensor, ``.numpy()``, any read in a symbolic trace), and Python-side effects the graph cannot replay
   (``Captured`` state — what ``fn`` and its object arguments reach — rebound or new tensors
   stored in it, ``.grad`` written by ``backward()``, tensors made with ``requires_grad=True``
-  inside).  Each is reported once, with the op and the user's source line, as
+  inside, a change of the random generators' state outside a random op: ``manual_seed``,
+  ``set_rng_state``).  Each is reported once, with the op and the user's source line, as
   ``Trace.untraceable``.
 - ``tracing()``: whether this thread is inside a trace (a compiled function called inside
   another's trace runs eagerly: its ops are recorded in the outer graph).
@@ -145,6 +146,9 @@ class _Watcher:
     def __init__(self, real: bool = True) -> None:
         self.first: Optional[str] = None
         self.reads: List[breaks.Read] = []
+        self.real = real
+        self._rng: Optional[List[Any]] = None     # the generators' states after the last draw
+        self._drew = False                         # a random op ran
         watcher = self
 
         class Dispatch(TorchDispatchMode):
@@ -179,6 +183,12 @@ class _Watcher:
                     # crashed the process in a later op (a segfault in jvp(jacrev(f)) with
                     # index_put); an ordinary zeros tensor has the same values
                     return torch.ops.aten.zeros.default(*args, **kwargs)
+                if real and _draws(func):
+                    watcher._before_draw(func)
+                    out = func(*args, **kwargs)
+                    watcher._rng = watcher._rng_state()
+                    watcher._drew = True
+                    return out
                 return func(*args, **kwargs)
 
         class Function(TorchFunctionMode):
@@ -225,7 +235,38 @@ class _Watcher:
             return
         self.reads.append(breaks.Read(len(self.reads), value, what, line))
 
+    # ------------------------------------------------------------ the random generators
+    # A graph records the random ops, which draw from the global generators' states at replay
+    # time; it cannot record a change of those states made outside an op (torch.manual_seed,
+    # torch.set_rng_state, fork_rng / freeze_rng_state inside the function, as OpInfo's
+    # wrapper_set_seed does, or vmap's chunks under randomness='same').  A replay would then
+    # draw other numbers than the eager call, or leave the generators elsewhere: so the states
+    # are read before and after each random op of a real-mode trace, and when they changed
+    # between two of its random ops (or after the last one) the graph is untraceable.
+    @staticmethod
+    def _rng_state() -> List[Any]:
+        with _disable_current_modes():      # (no op of this reaches the trace)
+            return breaks.rng_state()
+
+    def _rng_moved(self) -> bool:
+        before = self._rng
+        if before is None:
+            return False
+        now = self._rng_state()
+        with _disable_current_modes():
+            return len(now) != len(before) or not all(
+                _same_states(a, b) for a, b in zip(now, before))
+
+    def _before_draw(self, func) -> None:
+        if self.first is None and self._rng_moved():
+            self.first = (f"the random number generator's state was changed outside a random "
+                          f"op before {func} at {user_line()} ({_RNG_SET}): a graph replays "
+                          "the random ops, not that change of state, so a replay would draw "
+                          "other numbers")
+
     def __enter__(self):
+        if self.real:
+            self._rng = self._rng_state()
         for mode in self._modes:
             mode.__enter__()
         return self
@@ -233,7 +274,28 @@ class _Watcher:
     def __exit__(self, *exc):
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
+        if self.real and exc[0] is None and self.first is None and self._rng_moved():
+            when = "after its last random op" if self._drew else "in a function drawing none"
+            self.first = (f"the random number generator's state was changed outside a random "
+                          f"op, {when} ({_RNG_SET}): a graph replays the random ops, not that "
+                          "change of state, so a replay would leave the generator elsewhere")
         return False
+
+
+_RNG_SET = "torch.manual_seed, torch.set_rng_state, or fork_rng / freeze_rng_state restoring it"
+_SEEDED = torch.Tag.nondeterministic_seeded
+_UNTAGGED_RANDOM = ("random_", "random")      # random ops without the tag
+
+
+def _draws(func) -> bool:
+    """Whether ``func`` may draw from a random number generator."""
+    return _SEEDED in func.tags or func.overloadpacket.__name__ in _UNTAGGED_RANDOM
+
+
+def _same_states(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_states(x, y) for x, y in zip(a, b))
+    return bool(torch.equal(a, b))
 
 
 _READ_WHAT = ("aten._local_scalar_dense: a tensor's value read into Python (.item(), bool(), "

@@ -64,6 +64,22 @@ def test_strides_flip_transposed_input():
     assert "strides (4, 1) -> (1, 3)" in reason
 
 
+def test_strides_that_address_nothing_do_not_retrace():
+    # a size-1 dim's stride and an empty tensor's strides are not significant (torch's
+    # check_significant_strides): linalg.pinv's vjp on a transposed (3, 1) column, then on a
+    # contiguous one, retraced and then went symbolic for a difference in nothing
+    compiled = functrans.compile(lambda x, y: torch.sin(x) * y, dynamic=False)
+    y = torch.randn(3, 1)
+    for x in (torch.randn(1, 3).T, torch.randn(3, 1), torch.randn(0, 3).T, torch.randn(3, 0)):
+        torch.testing.assert_close(compiled(x, y), torch.sin(x) * y)
+    info = compiled.cache_info()
+    assert info.misses == 2 and info.hits == 2, info        # one graph per shape
+    x = torch.randn(4, 1, 3).permute(2, 1, 0)     # (3, 1, 4): strides (1, 3, 3)
+    _, reason, _ = _flip((torch.randn(3, 1, 4), torch.randn(1, 4)), (x, torch.randn(1, 4)),
+                         fn=lambda x, y: x * y)
+    assert "strides (4, *, 1) -> (1, *, 3)" in reason
+
+
 def test_strides_flip_keeps_output_layout_of_eager():
     # an op whose output layout follows its input's: the graph traced on a contiguous input
     # must not hand a transposed input's caller the contiguous layout (or the reverse)

@@ -417,6 +417,58 @@ def test_dropout_under_vmap_randomness(randomness):
     assert compiled.cache_info().misses == 1
 
 
+def _dropout_reseeded(x):
+    """OpInfo's wrapper_set_seed: the same mask on every call, the generator left as it was."""
+    state = torch.get_rng_state()
+    torch.manual_seed(42)
+    out = torch.nn.functional.dropout(x, 0.5)
+    torch.set_rng_state(state)
+    return out
+
+
+def _dropout_then_seed(x):
+    out = torch.nn.functional.dropout(x, 0.5)
+    torch.manual_seed(7)                 # after its last draw: the caller's next draws change
+    return out
+
+
+@pytest.mark.parametrize("f,when", [(_dropout_reseeded, "before aten.bernoulli_"),
+                                    (_dropout_then_seed, "after its last random op")])
+def test_a_change_of_the_generator_state_inside_runs_eagerly(f, when):
+    # a graph replays the random ops, not torch.manual_seed / set_rng_state between or after
+    # them: replayed, _dropout_reseeded drew another mask every call (a wrong answer)
+    compiled = functrans.compile(f)
+    x = torch.ones(64)
+    with pytest.warns(CompileWarning, match="random number generator's state was changed"):
+        compiled(x)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        out, after = compiled(x), torch.rand(3)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(out, f(x))
+        torch.testing.assert_close(after, torch.rand(3))
+    info = compiled.cache_info()
+    assert when in info.eager_reason and info.eager_calls == 2, info
+
+
+def test_vmap_randomness_same_in_chunks_runs_eagerly():
+    # vmap(randomness="same", chunk_size=...) puts the generator back before each chunk, so
+    # every chunk draws the same numbers; a replayed graph would draw new ones for the second
+    def f(r):
+        return r + torch.randn(3)
+    eager = functrans.vmap(f, randomness="same", chunk_size=2)
+    compiled = functrans.compile(eager)
+    x = torch.zeros(4, 3)
+    with pytest.warns(CompileWarning, match="random number generator's state was changed"):
+        compiled(x)
+    for seed in (3, 3):
+        torch.manual_seed(seed)
+        out = compiled(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(out, eager(x))
+        assert all(torch.equal(out[0], row) for row in out)
+
+
 # ------------------------------------------------------------------------------ autograd
 def test_backward_through_output_reaches_arguments_and_captured():
     w = torch.randn(4, 3, requires_grad=True)
@@ -531,6 +583,35 @@ def test_function_error_propagates_unchanged():
     assert str(compiled_error.value) == str(eager_error.value)
     square = torch.randn(3, 3)
     torch.testing.assert_close(compiled(square), square @ square)
+
+
+def _vjp_of(f, *held):
+    return lambda p, ct: functrans.vjp(lambda p: f(p, *held), p)[1](ct)
+
+
+F = torch.nn.functional
+
+
+@pytest.mark.parametrize("fn,good,bad,error", [
+    # _linalg_check_errors returns nothing: an op kept for its effect
+    (torch.linalg.cholesky, (torch.eye(3),), (-torch.eye(3),), torch.linalg.LinAlgError),
+    # the vjp needs only the backward of binary_cross_entropy / embedding: their forward,
+    # unused, still checks the input's range / the indices, as the eager call does
+    (_vjp_of(F.binary_cross_entropy, torch.full((3,), 0.3)),
+     (torch.full((3,), 0.5), torch.tensor(1.0)),
+     (torch.tensor([0.5, 1.5, 0.5]), torch.tensor(1.0)), RuntimeError),
+    (lambda w, i, ct: functrans.vjp(lambda w: F.embedding(i, w), w)[1](ct),
+     (torch.ones(4, 2), torch.tensor([1, 2]), torch.ones(2, 2)),
+     (torch.ones(4, 2), torch.tensor([1, 7]), torch.ones(2, 2)), IndexError),
+], ids=["cholesky", "vjp-binary_cross_entropy", "vjp-embedding"])
+def test_replay_raises_the_errors_of_ops_whose_result_is_unused(fn, good, bad, error):
+    compiled = functrans.compile(fn, backend="replay")
+    torch.testing.assert_close(compiled(*good), fn(*good))
+    with pytest.raises(error):
+        fn(*bad)
+    with pytest.raises(error):
+        compiled(*bad)                   # the graph traced on good values, replayed
+    assert compiled.cache_info().misses == 1
 
 
 def _per_example_grads_in_threads(backend, threads, calls, size):
