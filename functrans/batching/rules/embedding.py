@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..batched_tensor import BatchedTensor
 from ..helpers import ensure_bdim_front, move_bdim_to_front
 from ..registry import Decline, registrar
 
@@ -78,18 +79,45 @@ def embedding_dense_backward_rule(info, in_dims, grad, indices, num_weights, pad
 # * only the table is batched: its batch rides along the feature dim ([V, B*D]); rows, and so
 #   offsets, padding_idx and counts, are untouched;
 # * the indices (and per_sample_weights) are batched, the table and offsets are not: the
-#   examples' bags are concatenated (example b's offsets shifted by b*N) and the bag-indexed
-#   outputs split back.  The offsets are checked first (sorted, within [0, N]); anything else,
-#   and batched offsets, run on the loop, which reproduces eager exactly.
+#   examples' bags are concatenated (example b's offsets shifted by b*N, see _folded_offsets)
+#   and the bag-indexed outputs split back.  The offsets are never read on the host (on a GPU
+#   that is a sync the loop does not make): offsets the kernel rejects make the folded call
+#   raise too, and the rule then declines, so that the loop raises eager's own error.
+#   Batched offsets run on the loop, which reproduces eager exactly.
 # ---------------------------------------------------------------------------------------------
 
-def _valid_offsets(offsets, n, include_last_offset) -> bool:
-    if type(offsets) is not torch.Tensor or offsets.dim() != 1 or offsets.numel() == 0:
-        return False  # a lower level's wrapper (cannot be inspected here), or unusual
-    o = offsets.tolist()
-    if o[0] != 0 or any(a > b for a, b in zip(o, o[1:])) or o[-1] > n:
-        return False
-    return not include_last_offset or o[-1] == n
+def _plain_offsets(offsets) -> bool:
+    """1-D offsets of this level (a lower level's wrapper, or unusual offsets, take the loop).
+    Only the metadata is looked at: the values stay on the device (so fake tensors do too)."""
+    return type(offsets) is not BatchedTensor and offsets.dim() == 1 and offsets.numel() > 0
+
+
+def _folded_offsets(offsets, B, n, include_last_offset):
+    """(offsets, bags per example) of one call over the B examples' indices laid end to end
+    ([B*n]), computed on the device: example b's offsets shifted by b*n, so that each
+    example's bags are the bags eager makes of its own indices:
+    * an example's first bag starts at its first index: the CUDA kernels start bag 0 at 0
+      whatever offsets[0] says, so example b > 0 starts at b*n; example 0 keeps offsets[0],
+      which the CPU kernel requires to be 0 (the folded call raises where eager does);
+    * an example's last bag ends at its last index, as eager's does; offsets[-1] > n puts the
+      folded last offset past B*n, which the CPU kernel rejects, as eager does;
+    * include_last_offset: the CUDA kernels end the last bag at the last index whatever
+      offsets[-1] says; the CPU kernels read offsets[-1] for some outputs (the sum) and not
+      for others (mean's bag size, max), so they agree with the folding only when
+      offsets[-1] == n.  The folded last offset is B*n + |offsets[-1] - n|: B*n when
+      offsets[-1] == n, past the end otherwise, which the CPU kernel rejects (the rule then
+      declines and the loop reproduces eager)."""
+    bags = offsets[:-1] if include_last_offset else offsets
+    nb = bags.shape[0]
+    starts = torch.arange(B, dtype=offsets.dtype, device=offsets.device) * n
+    shifted = bags.unsqueeze(0) + starts.unsqueeze(1)
+    if nb > 0:
+        first = torch.cat([bags[:1], starts[1:]]).unsqueeze(1)
+        shifted = torch.cat([first, shifted[:, 1:]], 1)
+    folded = shifted.reshape(-1)
+    if include_last_offset:
+        folded = torch.cat([folded, B * n + (offsets[-1:] - n).abs()])
+    return folded, nb
 
 
 def _bag_table_batched(op, B, W, indices, offsets, rest):
@@ -129,28 +157,37 @@ def _own_rows(M, B, V):
     return torch.where(mine, M - start, torch.zeros_like(M))
 
 
+def _per_bag(t, B, nb):
+    """A per-bag output of the folded call, [B*nb, ...] -> [B, nb, ...].  Kernels differ in
+    what they return for the outputs a mode does not use: empty (CUDA's max_indices outside
+    mode max) -> [B, 0]; one entry per offset (CUDA's bag_size, CPU's forward-only sum with
+    include_last_offset) [B*nb + 1] -> [B, nb + 1], the last entry repeated."""
+    if t.dim() == 1 and t.numel() == 0:
+        return t.new_empty((B, 0))
+    if t.dim() == 1 and t.numel() == B * nb + 1:
+        return torch.cat([t[:-1].view(B, nb), t[-1:].expand(B, 1)], 1)
+    return t.view((B, nb) + t.shape[1:])
+
+
 def _bag_indices_batched(op, B, weight, w_dim, I, offsets, include_last_offset, psw, mode,
                          rest_before, padding_idx):
     n = I.shape[1]
-    bags = offsets[:-1] if include_last_offset else offsets
-    nb = bags.shape[0]
-    shifted = bags.unsqueeze(0) + torch.arange(B, dtype=offsets.dtype,
-                                               device=offsets.device).unsqueeze(1) * n
-    folded = shifted.reshape(-1)
-    if include_last_offset:
-        folded = torch.cat([folded, folded.new_full((1,), B * n)])
+    folded, nb = _folded_offsets(offsets, B, n, include_last_offset)
     table, rows, pad, V = _bag_rows(B, weight, w_dim, I, padding_idx)
-    out, offset2bag, bag_size, max_indices = op(
-        table, rows.reshape(-1), folded, *rest_before, mode, False, psw, include_last_offset,
-        pad)
+    try:
+        out, offset2bag, bag_size, max_indices = op(
+            table, rows.reshape(-1), folded, *rest_before, mode, False, psw,
+            include_last_offset, pad)
+    except (RuntimeError, IndexError):
+        raise Decline() from None  # offsets or indices the kernel rejects: the loop's error
     out = out.view((B, nb) + out.shape[1:])
     if offset2bag.numel() == 0:
         offset2bag = offset2bag.new_empty((B, 0))
     else:
         starts = torch.arange(B, dtype=offset2bag.dtype, device=offset2bag.device) * nb
         offset2bag = offset2bag.view(B, n) - starts.unsqueeze(1)
-    bag_size = bag_size.view(B, nb)
-    max_indices = max_indices.view((B, nb) + max_indices.shape[1:])
+    bag_size = _per_bag(bag_size, B, nb)
+    max_indices = _per_bag(max_indices, B, nb)
     if w_dim is not None and mode == _MAX:
         max_indices = _own_rows(max_indices, B, V)
     return (out, offset2bag, bag_size, max_indices), (0, 0, 0, 0)
@@ -178,7 +215,7 @@ def _embedding_bag_rule_for(op):
         if scale_grad_by_freq and weight.requires_grad:
             raise Decline()  # a physical backward would count indices over the whole batch
         I = ensure_bdim_front(indices, i_d, B)
-        if I.dim() != 2 or not _valid_offsets(offsets, I.shape[1], include_last_offset):
+        if I.dim() != 2 or not _plain_offsets(offsets):
             raise Decline()
         psw = None if per_sample_weights is None else \
             ensure_bdim_front(per_sample_weights, p_d, B).reshape(-1)
@@ -212,9 +249,13 @@ def _bag_backward_shared_indices(B, grad, g_dim, maximum_indices, m_dim, mode, c
 
 
 def _offset2bag(offsets, n):
-    """Each input position's bag: the number of offsets at or before it, minus one."""
-    positions = torch.arange(n, dtype=offsets.dtype, device=offsets.device)
-    return torch.searchsorted(offsets, positions, right=True) - 1
+    """Each input position's bag, computed as eager's CPU backward computes it when the forward
+    skipped it (``make_offset2bag``: a 1 at every offset, a cumulative sum, minus one), so that
+    offsets the forward accepted without checking (unsorted ones) give eager's bags too; on
+    the device, without reading the offsets."""
+    marks = torch.zeros(n + 1, dtype=offsets.dtype, device=offsets.device)
+    marks = marks.index_add(0, offsets, torch.ones_like(offsets))
+    return (marks.cumsum(0, dtype=offsets.dtype) - 1)[:n]
 
 
 @register_batch_rule(aten._embedding_bag_backward.default)
@@ -240,7 +281,7 @@ def embedding_bag_backward_rule(info, in_dims, grad, indices, offsets, offset2ba
         raise Decline()
     nb, n, V = G.shape[1], I.shape[1], num_weights
     if offset2bag.numel() == 0:   # the forward skipped it: rebuild it from the offsets
-        if not _valid_offsets(offsets, n, False):
+        if not _plain_offsets(offsets):
             raise Decline()
         O2B = _offset2bag(offsets, n).expand(B, n)
     else:
@@ -278,7 +319,7 @@ def embedding_bag_per_sample_weights_backward_rule(info, in_dims, grad, weight, 
         raise Decline()
     n, D = I.shape[1], G.shape[2]
     if offset2bag.numel() == 0:
-        if not _valid_offsets(offsets, n, False):
+        if not _plain_offsets(offsets):
             raise Decline()
         O2B = _offset2bag(offsets, n).expand(B, n)
     else:

@@ -377,12 +377,14 @@ def _flat_batched_index(B, index, i_bdim):
 
 @register_batch_rule(aten.take.default)
 def take_rule(info, in_dims, x, index):
+    # aten.index, not Python indexing: a 0-d index tensor in ``t[:, index]`` is read back to
+    # the host as an int (``.item()``, a device sync eager's take does not make).
     B = info.batch_size
     if in_dims[0] is None:
-        return x.reshape(-1)[index], in_dims[1]
+        return aten.index.Tensor(x.reshape(-1), [index]), in_dims[1]
     Xf = move_bdim_to_front(x, in_dims[0]).reshape(B, -1)
     if in_dims[1] is None:
-        return Xf[:, index], 0
+        return aten.index.Tensor(Xf, [None, index]), 0
     I = move_bdim_to_front(index, in_dims[1])
     return aten.index.Tensor(Xf, _flat_batched_index(B, I, 0)).reshape(I.shape), 0
 

@@ -233,8 +233,15 @@ def _batch_norm(op, info, in_dims, x, w, b, rm, rv, training, kinds, kernel, wri
             if t is not None and d is None and xb is not None:
                 raise _running_stats_error(op, name)
     if xb is None and rmb is None and rvb is None:
-        # Only the affine is batched: statistics (and any running-stat update) happen once.
-        outs = kernel(x, None, None, rm, rv)
+        # Only the affine is batched: statistics (and any running-stat update) happen once,
+        # with a unit affine where the op has one (the same values as none): the kernel then
+        # picks the backend each example's call picks (cuDNN, and so its reserve, needs a
+        # weight and a bias), and PyTorch's decompositions of the ops that return a reserve
+        # (used under FakeTensorMode and torch.compile) cannot take a missing weight or bias.
+        C = x.shape[1]
+        unit_w = None if w is None else torch.ones(C, dtype=w.dtype, device=w.device)
+        unit_b = None if b is None else torch.zeros(C, dtype=b.dtype, device=b.device)
+        outs = kernel(x, unit_w, unit_b, rm, rv)
         results = [_channel_affine(o, w, wb, b, bb, B) if kind == _OUT else o
                    for o, kind in zip(outs, kinds)]
         return tuple(results), tuple(0 if kind == _OUT else None for kind in kinds)

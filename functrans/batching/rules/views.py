@@ -80,6 +80,12 @@ def _alias(x, bdim):
     return aten.alias.default(x), bdim
 
 
+# What ``t.view(shape)`` raises when the strides do not allow that view: RuntimeError from
+# the kernels, ValueError from PyTorch's Python reference (under FakeTensorMode / torch.compile
+# tracing, where the meta kernel is ``torch._refs._reshape_view_helper``).
+_VIEW_ERRORS = (RuntimeError, ValueError)
+
+
 def _example_view_strides(x, b, shape):
     """The strides of one example's ``view(shape)``, or None when it cannot be a view (or x is
     a lower level's wrapper, whose memory as_strided cannot address)."""
@@ -87,7 +93,7 @@ def _example_view_strides(x, b, shape):
         return None
     try:
         return x.select(b, 0).view(shape).stride()
-    except RuntimeError:
+    except _VIEW_ERRORS:
         return None
 
 
@@ -98,7 +104,7 @@ def view_rule(info, in_dims, x, shape):
     new_shape = (y.shape[0], *shape)
     try:
         return y.view(new_shape), 0
-    except RuntimeError:
+    except _VIEW_ERRORS:
         pass
     # See Note [view after moving the bdim] (guards.py).
     _check_numel(x, b, shape)
@@ -117,7 +123,7 @@ def reshape_alias_rule(info, in_dims, x, size, stride):
     y = move_bdim_to_front(x, in_dims[0])
     try:
         out = y.view(y.shape[0], *size)
-    except RuntimeError:
+    except _VIEW_ERRORS:
         raise Decline from None
     if any(n > 1 and s != t for n, s, t in zip(size, out.stride()[1:], stride)):
         raise Decline

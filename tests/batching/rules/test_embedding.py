@@ -1,5 +1,7 @@
 """embedding / embedding_dense_backward / _embedding_bag vs the loop oracle (every in_dims
 choice, vmap∘vmap, strict), and per-example gradients of an embedding model vs torch.func."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,3 +129,86 @@ def test_embedding_bag_per_sample_weights_gradients(in_dims):
         got = ft.vmap(ft.grad(loss), in_dims=in_dims)(*args)
     want = torch.func.vmap(torch.func.grad(loss), in_dims=in_dims)(*args)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten._embedding_bag,
+                                torch.ops.aten._embedding_bag_forward_only])
+@pytest.mark.parametrize("offsets, include_last, valid", [
+    ([0, 2, 2], False, True), ([0, 6, 6], False, True), ([0, 2, 6], True, True),
+    ([1, 2], False, False), ([0, 7], False, False), ([0, 4, 2], False, False),
+    ([0, 2, 4], True, False), ([0, 2, 7], True, False)])
+def test_embedding_bag_offsets_are_not_read_back(op, offsets, include_last, valid):
+    """Batched indices fold the examples' bags into one call with offsets computed on the device
+    (never read on the host: a sync the loop does not make).  Whatever the offsets, vmap gives
+    the loop's outputs (all four, exactly) or eager's error: offsets eager rejects (first not 0,
+    past the end, unsorted) and include_last_offset with offsets[-1] != n (where the CPU kernel
+    reads the last offset for the sum but not for mean's bag size or max) make the folded call
+    raise, and the rule declines to the loop.  Valid offsets take the folded call (strict)."""
+    from tests.support.device_audit import syncs_of
+    n = 6
+    for mode in (0, 1, 2):
+        for pad in (-1, 2):
+            def f(w, i):
+                return op(w, i, torch.tensor(offsets), False, mode, False, None, include_last,
+                          pad)
+            for w_dim in (None, 0):
+                w = W if w_dim is None else torch.randn(3, 10, 4, generator=g)
+                i = torch.randint(0, 10, (3, n), generator=g)
+                try:
+                    ref = [f(w if w_dim is None else w[b], i[b]) for b in range(3)]
+                    expected, error = [torch.stack(t) for t in zip(*ref)], None
+                except RuntimeError as e:
+                    error = str(e).splitlines()[0]
+                vm = ft.vmap(f, in_dims=(w_dim, 0))
+                if error is not None:
+                    with pytest.raises(RuntimeError, match=re.escape(error)):
+                        vm(w, i)
+                    continue
+                with ft.config.strict_fallback(valid):
+                    assert syncs_of(lambda: vm(w, i)) == {}
+                    actual = vm(w, i)
+                for a, e in zip(actual, expected):
+                    assert a.shape == e.shape and a.dtype == e.dtype and torch.equal(a, e), \
+                        (mode, pad, w_dim)
+
+
+@pytest.mark.parametrize("offsets", [[0, 2, 2, 6], [0, 6, 6], [0, 2, 0, 3, 6]])
+def test_embedding_bag_backward_rebuilds_offset2bag_as_eager(offsets):
+    """A forward that skipped offset2bag (CPU, mode sum) leaves the backward to rebuild it from
+    the offsets: the rule does it on the device as eager's backward does (``make_offset2bag``),
+    for unsorted offsets too (the forward accepts some unchecked; reading them on the host to
+    check would be a sync)."""
+    op = torch.ops.aten._embedding_bag_backward
+    nb = len(offsets)
+    empty, zeros = torch.empty(0, dtype=torch.long), torch.zeros(nb, dtype=torch.long)
+
+    def f(grad, i):  # offset2bag, bag_size and max_indices as the CPU forward gives them
+        return op(grad, i, torch.tensor(offsets), empty, zeros, zeros, 10, False, 0, False,
+                  None, -1)
+    for dims in [(0, 0), (None, 0)]:
+        check_vmap(f, [torch.randn(nb, 4, generator=g), torch.tensor([3, 9, 0, 2, 2, 7])], dims)
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten._embedding_bag,
+                                torch.ops.aten._embedding_bag_forward_only])
+@pytest.mark.parametrize("include_last", [False, True])
+def test_embedding_bag_folded_call_under_fake_tensors(op, include_last):
+    """The folded call reads no offsets, so it runs on fake tensors (torch.compile tracing, the
+    fake-GPU device audit) too, whose meta kernels shape the outputs a mode does not use as
+    CUDA does (max_indices empty, bag_size one per offset): each output has the loop's shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from tests.support.oracles import loop_oracle
+    meta = lambda outs: [(tuple(t.shape), t.dtype) for t in outs]  # noqa: E731
+    for mode in (0, 1, 2):
+        for w_dim in (None, 0):
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                w = torch.randn(10, 4) if w_dim is None else torch.randn(3, 10, 4)
+                i = torch.randint(0, 10, (3, 6))
+                offsets = torch.tensor([0, 2, 6] if include_last else [0, 2, 2])
+
+                def f(w, i):
+                    return op(w, i, offsets, False, mode, False, None, include_last, 2)
+                expected = loop_oracle(f, (w_dim, 0), 3, w, i)
+                with ft.config.strict_fallback():
+                    actual = ft.vmap(f, in_dims=(w_dim, 0))(w, i)
+            assert meta(actual) == meta(expected), (mode, w_dim)

@@ -142,6 +142,7 @@ def test_index_and_index_put_with_unbatched_masks():
     (lambda x, i: torch.index_fill(x, 1, i, -1.5), [X, torch.tensor([-1, 0])]),
     (lambda x, i, v: torch.index_fill(x, 1, i, v), [X, torch.tensor([3, 1]), torch.tensor(4.0)]),
     (lambda x, i: torch.take(x, i), [X, torch.tensor([[-1, 5], [11, 0]])]),
+    (lambda x, i: torch.take(x, i), [X, torch.tensor(-7)]),
     (lambda x, i, s: torch.put(x, i, s, accumulate=True),
      [X, torch.tensor([-12, 5, 11]), torch.randn(3, generator=g)]),
     (lambda x, s: torch.select_scatter(x, s, 1, -1), [X, torch.randn(3, generator=g)]),
@@ -161,6 +162,20 @@ def test_index_and_index_put_with_unbatched_masks():
 ])
 def test_index_family_matches_loop(f, args):
     check_vmap_all_bdims(f, args)
+
+
+def test_take_with_a_0d_index_reads_nothing_back_and_copies():
+    """take's rule indexes with aten.index: Python indexing (``x[:, index]``) read a 0-d index
+    back to the host (``.item()``, a device sync eager's take does not make) and returned a
+    view of x where eager's take returns a new tensor."""
+    from tests.support.device_audit import syncs_of
+    xs = torch.randn(3, 2, 4, generator=g)
+    with ft.config.strict_fallback():
+        assert syncs_of(lambda: ft.vmap(torch.take, in_dims=(0, None))(xs, torch.tensor(5))) == {}
+        out = ft.vmap(torch.take, in_dims=(0, None))(xs, torch.tensor(5))
+    assert_same(out, torch.stack([torch.take(x, torch.tensor(5)) for x in xs]))
+    out.zero_()
+    assert xs.reshape(3, -1)[:, 5].ne(0).all()
 
 
 # ------------------------------------------------------------------------------------------

@@ -7,9 +7,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 import functrans as ft
-from tests.support.oracles import assert_same, check_vmap, check_vmap_all_bdims, make_batch
+from tests.support.oracles import (assert_same, check_vmap, check_vmap_all_bdims, loop_oracle,
+                                    make_batch)
 
 aten = torch.ops.aten
 g = torch.Generator().manual_seed(0)
@@ -360,3 +362,24 @@ def test_unbatched_running_stats_where_the_update_is_possible(f, dims):
             check_vmap(f, [X, W, RM, RV], dims)
     else:
         check_vmap(f, [X, W, RM, RV], dims)
+
+
+@pytest.mark.parametrize("dims", [(None, 0, None), (None, None, 0), (None, -1, 0)])
+def test_batch_norm_with_only_the_affine_batched_also_under_fake_tensors(dims):
+    """Only the affine batched: the statistics are computed once with a unit affine (not
+    None), so the kernel picks the backend each example's call picks, and PyTorch's
+    decomposition of the ops that return a cuDNN reserve (what FakeTensorMode and torch.compile
+    run) works: it refuses a missing weight or bias (``_select_batch_norm_backend``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def f(x, w, b):
+        rm, rv = RM.clone(), RV.clone()
+        return aten._batch_norm_with_update(x, w, b, rm, rv, 0.2, EPS), rm, rv
+    check_vmap(f, [X, W, BIAS], dims, rtol=1e-5, atol=1e-5)
+    batched = [t if d is None else make_batch(t, d, 3) for t, d in zip((X, W, BIAS), dims)]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        expected = loop_oracle(f, dims, 3, *batched)
+        with ft.config.strict_fallback():
+            actual = ft.vmap(f, in_dims=dims)(*batched)
+    meta = lambda tree: [(t.shape, t.dtype) for t in pytree.tree_leaves(tree)]  # noqa: E731
+    assert meta(actual) == meta(expected)

@@ -560,3 +560,23 @@ def test_as_strided_of_expanded_examples_layout_expanded(op):
     with pytest.raises(functrans.errors.UnsupportedUnderVmap, match="reads storage elements"):
         functrans.vmap(f)(x)
     assert_same(functrans.vmap(f)(x.contiguous()), want)
+
+
+@pytest.mark.parametrize("in_dims", [(-1, 0), (-1, None), (None, -1), (0, 0)])
+def test_view_of_an_interleaved_batch_also_under_fake_tensors(in_dims):
+    """kron ends in ``_unsafe_view`` of a product whose batch dim sits among the example's dims
+    (in_dims=-1): the batch-first view fails and the rule lays the batch over each example's
+    view (or copies).  Under FakeTensorMode (torch.compile tracing, the fake-GPU device audit)
+    that failure is a ValueError from PyTorch's Python reference, not the kernels'
+    RuntimeError; it must take the same way, with the loop's shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    a, b = torch.randn(5, 5), torch.randn(10, 20)
+    batched = [x if d is None else make_batch(x, d, 3) for x, d in zip((a, b), in_dims)]
+    expected = loop_oracle(torch.kron, in_dims, 3, *batched)
+    with functrans.config.strict_fallback():
+        assert_same(functrans.vmap(torch.kron, in_dims=in_dims)(*batched), expected)
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(x) for x in batched]
+        with functrans.config.strict_fallback():
+            out = functrans.vmap(torch.kron, in_dims=in_dims)(*fakes)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
