@@ -180,18 +180,24 @@ def test_memory_columns(monkeypatch):
     cell = table.run_memory(w, torch.device("cpu"), "functrans", timeout=300)
     assert set(cell) == {"peak_mb"} and cell["peak_mb"] >= 0
     given = {"functrans": {"peak_mb": 3.0}, "torch.func": {"peak_mb": 2.0},
-             "ft.compile replay": {"error": "RuntimeError: boom"}}
+             "ft.compile tiered": {"peak_mb": 2.5}, "ft.compile replay": {"error": "boom"},
+             "ft.compile inductor": {"peak_mb": 3.3},
+             "torch.compile(torch.func)": {"peak_mb": 1.0}}
     asked = []
     monkeypatch.setattr(table, "run_memory",
                         lambda w, device, impl, timeout=600.0: asked.append(impl) or given[impl])
     r = table.run_workload(w, torch.device("cpu"), rounds=1, min_time=0.0, backends=(),
                            anchor=False, memory=table.MEMORY_IMPLS)
-    assert asked == list(table.MEMORY_IMPLS) and r["memory"] == given
+    assert asked == list(table.MEMORY_IMPLS) == list(given) and r["memory"] == given
     text = table.format_table([r], markdown=True)
     head, _, line = text.splitlines()
-    assert head.endswith("| functrans peak MB | torch.func peak MB | ft.compile replay peak MB | "
-                         "peak ft / torch.func |")
-    assert line.endswith("| 3.00 | 2.00 | FAILED: RuntimeError: boom | 1.50 |")
+    assert head.endswith("| functrans peak MB | torch.func peak MB | ft.compile tiered peak MB | "
+                         "ft.compile replay peak MB | ft.compile inductor peak MB | "
+                         "torch.compile(torch.func) peak MB | peak ft / torch.func | "
+                         "peak ft.compile / ft eager |")
+    # the largest compiled peak over eager's, and which backend it is
+    assert line.endswith("| 3.00 | 2.00 | 2.50 | FAILED: boom | 3.30 | 1.00 | 1.50 | "
+                         "1.10 (inductor) |")
     plain = table.format_table([r, dict(r, error="RuntimeError: x", times={})], markdown=False)
     assert "FAILED: RuntimeError: x" in plain
     assert "peak MB" not in table.format_table([dict(r, memory={})], markdown=False)
