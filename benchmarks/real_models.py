@@ -198,9 +198,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     text, failed = table([m for m in args.models.split(",") if m], args.repeats,
                          args.workloads.split(",") if args.workloads else None)
+    return emit(text, args.markdown, failed)
+
+
+def emit(text: str, markdown: Optional[str], failed: bool) -> int:
+    """Print the table, write it to ``markdown`` if given; the command's exit status."""
     print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
+    if markdown:
+        with open(markdown, "w") as fh:
             fh.write(text + "\n")
     return 1 if failed else 0
 

@@ -229,11 +229,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from tests.models.real import zoo
     models = args.models.split(",") if args.models else list(zoo.MODELS)
     text, failed = table(models, args.workloads.split(","), args.repeats, args.timeout)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(text + "\n")
-    return 1 if failed else 0
+    from .real_models import emit
+    return emit(text, args.markdown, failed)
 
 
 if __name__ == "__main__":
