@@ -59,6 +59,22 @@ def _lift_constants(gm: fx.GraphModule) -> tuple:
     return fx.GraphModule(gm, graph), constants
 
 
+def _views_as_reshapes(gm: fx.GraphModule) -> None:
+    """``view`` nodes become ``reshape``: the trace recorded a ``view`` that the eager strides
+    allowed, but Inductor propagates its own strides through the graph (its decompositions and
+    layouts choose them), and may meet a tensor that shape cannot view (T5's attention in
+    per-sample gradients: "Cannot view a tensor with shape [3, 2, 8, 5] and strides (80, 8, 1,
+    16)"), so Inductor failed and the graph stayed on replay.  The graph is functional here (no
+    writes through views), so a reshape's copy, where it makes one, changes no value."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+            changed = True
+    if changed:
+        gm.recompile()
+
+
 def _clone(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
     with torch.no_grad():
@@ -83,6 +99,7 @@ def build(gm: fx.GraphModule, inputs: List[torch.Tensor], unavailable) -> Callab
     except Exception as exc:
         raise unavailable(f"functionalizing the graph failed: {type(exc).__name__}: {exc}") \
             from exc
+    _views_as_reshapes(functional)
     # Inductor's graph-level entry, straight from the functional ATen graph: no second Dynamo
     # pass (its guards on every call; its eval-frame wrapper refuses to run while another
     # thread's make_fx has FX's process-wide "tracing" flag up).  fallback_random: random ops

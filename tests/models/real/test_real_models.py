@@ -161,6 +161,25 @@ def test_compiled_per_sample_grads(name):
     assert_same(second, zoo.loop_per_sample_grads(spec, model, xs2, ys2), **TOL, msg=name)
 
 
+@pytest.mark.sweep
+def test_inductor_compiles_t5_per_sample_grads():
+    """Inductor propagates its own strides through the traced graph: T5's per-sample gradients
+    have a ``view`` that the eager strides allowed and Inductor's did not ("Cannot view a
+    tensor with shape [3, 2, 8, 5] and strides (80, 8, 1, 16)"), so the graph stayed on
+    replay; the inductor backend now gives it ``reshape`` (compiler/backends/inductor.py).
+    About a minute of Inductor on one core."""
+    spec = _spec("t5")
+    model = spec.make(0)
+    xs, ys = spec.batch()
+    step = ft.compile(lambda p, x, y: zoo.per_sample_grads(ft, spec, model, x, y),
+                      backend="inductor")
+    params, _ = zoo.params_and_buffers(model)
+    got = step(params, xs, ys)
+    info = step.cache_info()
+    assert [e.backend for e in info.entries] == ["inductor"], info
+    assert_same(got, zoo.loop_per_sample_grads(spec, model, xs, ys), **TOL, msg="t5")
+
+
 @pytest.mark.parametrize("name", ATTENTION)
 def test_jacfwd_and_hessian_through_attention(name):
     """Forward mode through F.scaled_dot_product_attention: jacfwd of the logits against plain
