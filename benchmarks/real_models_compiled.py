@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -155,7 +156,8 @@ def _ft_outcome(r: dict) -> str:
         return f"eager: {r.get('eager_reason', '')}"
     out = "compiled"
     if r.get("segments", 1) > 1:
-        out += f", {r['segments']} segments ({'; '.join(r.get('breaks', []))[:120]})"
+        breaks = "; ".join(re.sub(r"\S*/", "", b) for b in r.get("breaks", []))   # file names
+        out += f", {r['segments']} segments ({breaks[:120]})"
     return out
 
 

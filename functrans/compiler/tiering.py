@@ -16,7 +16,8 @@ The life of an entry: ``replay`` → after ``HOT_CALLS`` calls and ``HOT_SECONDS
 (or ``HOT_MANY_CALLS`` calls however short), the graph is copied and handed to the compiler
 thread with clones of this call's inputs (``compiling``) → ready: the next call runs both (when
 the graph is pure: no writes into its inputs, no random draws) and compares, then the two run
-alternately, ``TRIAL_CALLS`` timed calls each after one untimed (so both see the same load on
+alternately, ``TRIAL_CALLS`` timed calls each after one untimed and at least ``TRIAL_SECONDS`` of
+each (so both see the same load on
 the machine), and the medians decide (CPU; on CUDA the compiled graph is kept without timing:
 launches are asynchronous) → ``inductor`` or back to ``replay`` with the reason.
 
@@ -46,7 +47,9 @@ from . import passes
 HOT_CALLS = 8           # calls before a graph counts as hot ...
 HOT_SECONDS = 0.05      # ... and seconds of replay time summed over them,
 HOT_MANY_CALLS = 200    # or this many calls however short
-TRIAL_CALLS = 6         # calls of each, alternated, timed before the choice (after one each)
+TRIAL_CALLS = 6         # calls of each, alternated, timed before the choice (after one each),
+TRIAL_SECONDS = 0.05    # and at least this many timed seconds of each (a 0.4 ms graph: 125
+TRIAL_MAX_CALLS = 500   # calls; 6 were noise), up to this many calls of each
 
 _executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _executor_lock = threading.Lock()
@@ -186,7 +189,7 @@ class Tiered:
                                             "not timed)")
                 return out
             self._trial.append(seconds)
-            if len(self._trial) > TRIAL_CALLS and len(self._replay_times) > TRIAL_CALLS:
+            if self._trial_done():
                 compiled_ms = statistics.median(self._trial[1:]) * 1e3     # after one each
                 replay_ms = statistics.median(self._replay_times[1:]) * 1e3
                 if compiled_ms <= replay_ms:
@@ -198,6 +201,13 @@ class Tiered:
                                        f"({compiled_ms:.3g} ms a call, replay "
                                        f"{replay_ms:.3g} ms); kept on replay")
             return out
+
+    def _trial_done(self) -> bool:
+        compiled, replay = self._trial[1:], self._replay_times[1:]   # after one each
+        if len(compiled) < TRIAL_CALLS or len(replay) < TRIAL_CALLS:
+            return False
+        return (sum(compiled) >= TRIAL_SECONDS and sum(replay) >= TRIAL_SECONDS) \
+            or len(compiled) >= TRIAL_MAX_CALLS
 
     def _settle(self, chosen: Optional[Callable[[list], list]], why: str) -> None:
         self._chosen = chosen if chosen is not None else self._replay

@@ -305,6 +305,7 @@ def test_tiered_segments_move_to_inductor_on_their_own(monkeypatch, _runner):
     monkeypatch.setattr(tiering, "HOT_CALLS", 3)
     monkeypatch.setattr(tiering, "HOT_SECONDS", 0.0)
     monkeypatch.setattr(tiering, "TRIAL_CALLS", 2)
+    monkeypatch.setattr(tiering, "TRIAL_SECONDS", 0.0)
     w = torch.randn(4, 3)
 
     def loss(w, x, y):

@@ -21,6 +21,7 @@ def loss(w, x, y):
 def hot_soon(monkeypatch):
     monkeypatch.setattr(tiering, "HOT_CALLS", 3)
     monkeypatch.setattr(tiering, "HOT_SECONDS", 0.0)
+    monkeypatch.setattr(tiering, "TRIAL_SECONDS", 0.0)   # the trial's count of calls decides
 
 
 def _data(seed):
@@ -131,3 +132,19 @@ def test_pinned_backends_never_tier(hot_soon):
     assert compiled.wait(timeout=0)
     entry = compiled.cache_info().entries[0]
     assert entry.backend == "replay" and entry.tier == ""
+
+
+def test_trial_times_short_graphs_for_long_enough(monkeypatch):
+    """The trial of a short graph runs until each side has TRIAL_SECONDS of timed calls (six
+    calls of a 0.4 ms graph were noise: the ensemble row kept the slower tier), and stops at
+    TRIAL_MAX_CALLS however short the calls."""
+    t = tiering.Tiered(lambda inputs: inputs, torch.fx.symbolic_trace(lambda x: x), None)
+    monkeypatch.setattr(tiering, "TRIAL_SECONDS", 0.01)
+    t._trial, t._replay_times = [0.0] + [0.001] * 6, [0.0] + [0.001] * 6
+    assert not t._trial_done()                   # 6 ms of each: too short
+    t._trial += [0.001] * 4
+    t._replay_times += [0.001] * 4
+    assert t._trial_done()                       # 10 ms of each
+    monkeypatch.setattr(tiering, "TRIAL_MAX_CALLS", 8)
+    t._trial, t._replay_times = [0.0] + [1e-6] * 8, [0.0] + [1e-6] * 8
+    assert t._trial_done()
