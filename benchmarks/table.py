@@ -530,8 +530,11 @@ def main(argv=None) -> int:
         print(format_compiled_table(results, markdown=False))
     md = f"{describe(device)}\n\n{format_table(results, markdown=True)}"
     if compiled:
-        md += (f"\n\nCompiled: functrans.compile (replay, inductor) and {ANCHOR} (inductor, "
-               f"whole call).{' ' + setup_line + '.' if setup_line else ''}\n\n"
+        cache = ("each Inductor compilation from an empty cache" if COLD_INDUCTOR_CACHE
+                 else "Inductor's on-disk cache as found")
+        md += (f"\n\nCompiled: functrans.compile (tiered = the default, replay, inductor) and "
+               f"{ANCHOR} (inductor, whole call); {cache}."
+               f"{' ' + setup_line + '.' if setup_line else ''}\n\n"
                f"{format_compiled_table(results, markdown=True)}")
     if args.markdown:
         Path(args.markdown).write_text(md + "\n")
