@@ -106,13 +106,10 @@ def child(model_name: str, workload: str, side: str, repeats: int) -> dict:
     try:
         eager()
     except Exception as e:                  # noqa: BLE001 - the user's workaround, as
-        from tests.models.real import zoo   # benchmarks/real_models.py: sdpa's math kernel
+        from .real_models import _with_math_attention   # benchmarks/real_models.py's
         result["tf_note"] = f"torch.func fails ({type(e).__name__}); its side with " \
                             "sdpa_kernel(MATH)"
-
-        def eager():
-            with zoo._math_attention():
-                return run(tf)
+        eager = lambda: _with_math_attention(lambda: run(tf))     # noqa: E731
         assert_same(eager(), expected, **TOL)
     if side == "torch.compile":
         compiled = torch.compile(eager)

@@ -300,9 +300,9 @@ class CompiledFunction:
         if backend == "inductor":
             run = self._with_replay_fallback(run, trace, tensors, notes)
         if backend == "tiered":
-            run = tiering.Tiered(run, getattr(run, "inductor_source", None)
-                                 or cast(torch.fx.GraphModule, trace.graph_module),
-                                 backends.build_inductor_from)
+            run = tiering.Tiered(run, cast(torch.fx.GraphModule, trace.graph_module),
+                                 backends.build_inductor_from,
+                                 source=getattr(run, "inductor_source", None))
         elif trace.reads and self.backend == "tiered":
             # a graph with breaks: each segment its own graph, tiered on its own, the guards
             # between them (the replay of the whole graph where it cannot be cut)

@@ -32,7 +32,6 @@ Imports: compiler.passes, compiler.backends.
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import statistics
 import threading
 import time
@@ -43,6 +42,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import passes
+from .backends import copy_graph
 
 HOT_CALLS = 8           # calls before a graph counts as hot ...
 HOT_SECONDS = 0.05      # ... and seconds of replay time summed over them,
@@ -98,9 +98,13 @@ class Tiered:
 
     def __init__(self, replay: Callable[[list], list], graph_module: fx.GraphModule,
                  build_inductor: Callable[[fx.GraphModule, List[torch.Tensor]],
-                                          Callable[[list], list]]) -> None:
+                                          Callable[[list], list]],
+                 source: Optional[fx.Graph] = None) -> None:
+        """``source``: the graph Inductor compiles (default: ``graph_module``'s), its tensors
+        ``graph_module``'s."""
         self._replay = replay
         self._graph = graph_module
+        self._source = source if source is not None else graph_module.graph
         self._build = build_inductor
         self._lock = threading.Lock()
         self._calls = 0
@@ -139,9 +143,12 @@ class Tiered:
             if self._future is not None:
                 return
             try:
-                graph = copy.deepcopy(self._graph)
+                # a copy of the nodes (Inductor's passes edit them) and the caller's own
+                # tensors: a deepcopy of the module copied captured tensors too, so a weight
+                # updated in place after the entry moved to Inductor was read stale
+                graph = fx.GraphModule(self._graph, copy_graph(self._source))
                 examples = [_clone(t) if isinstance(t, torch.Tensor) else t for t in inputs]
-            except Exception as exc:          # pragma: no cover - deepcopy of an odd graph
+            except Exception as exc:          # pragma: no cover - a graph that cannot be copied
                 self._settle(None, f"the graph could not be copied for Inductor ({exc})")
                 return
             self._tier = "compiling"

@@ -238,35 +238,24 @@ def test_a_generator_drawn_before_a_break_runs_eagerly():
     assert "Generator" in compiled.cache_info().eager_reason
 
 
-def test_values_that_change_every_call_stop_at_cache_size():
+@pytest.mark.parametrize("cache_size, why", [
+    (3, "cache_size"),            # the cache is full first
+    (8, "took 4 values"),         # a new float every call: not worth a graph each
+])
+def test_a_float_read_that_changes_every_call_runs_eagerly(cache_size, why):
     def f(x):
         return x * x.sum().item()
-    compiled = ft.compile(f, cache_size=3)
+    compiled = ft.compile(f, cache_size=cache_size)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(6):
             x = torch.full((2,), float(i))
             torch.testing.assert_close(compiled(x), f(x))
     warned = [str(w.message) for w in caught if issubclass(w.category, CompileWarning)]
-    assert len(warned) == 1 and "cache_size" in warned[0], warned
-    info = compiled.cache_info()
-    assert info.misses == 3 and info.eager_calls == 3, info
-    assert "cache_size" in info.eager_reason and _line(f, 1) in info.eager_reason
-
-
-def test_a_float_read_that_changes_every_call_runs_eagerly():
-    def f(x):
-        return x * x.sum().item()      # a new float every call: not worth a graph each
-    compiled = ft.compile(f)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for i in range(6):
-            x = torch.full((2,), float(i))
-            torch.testing.assert_close(compiled(x), f(x))
-    warned = [str(w.message) for w in caught if issubclass(w.category, CompileWarning)]
-    assert len(warned) == 1 and "took 4 values" in warned[0], warned
+    assert len(warned) == 1 and why in warned[0], warned
     info = compiled.cache_info()
     assert (info.misses, info.eager_calls) == (3, 3), info
+    assert why in info.eager_reason and _line(f, 1) in info.eager_reason
 
 
 def test_int_reads_take_a_graph_each_up_to_cache_size():

@@ -148,3 +148,31 @@ def test_trial_times_short_graphs_for_long_enough(monkeypatch):
     monkeypatch.setattr(tiering, "TRIAL_MAX_CALLS", 8)
     t._trial, t._replay_times = [0.0] + [1e-6] * 8, [0.0] + [1e-6] * 8
     assert t._trial_done()
+
+
+def test_a_captured_tensor_updated_in_place_is_read_after_the_move_to_inductor(hot_soon,
+                                                                                 monkeypatch):
+    """The Inductor candidate was built from a deepcopy of the graph module, which copied the
+    captured tensors: a weight updated in place (an optimizer step) after the entry moved to
+    Inductor was read stale — a wrong answer.  It shares the caller's tensors now."""
+    monkeypatch.setattr(tiering, "TRIAL_CALLS", 2)
+    monkeypatch.setattr(tiering, "TRIAL_MARGIN", 100.0)     # keep Inductor whatever the timing
+    w = torch.randn(3, 3)
+
+    def f(x):
+        return torch.tanh(x @ w)
+    compiled = functrans.compile(f)
+    x = torch.randn(4, 3)
+    _run_plain(compiled, x, 4)
+    assert compiled.wait(timeout=300)
+    _run_plain(compiled, x, 2 * tiering.TRIAL_CALLS + 4)
+    assert compiled.cache_info().entries[0].backend == "inductor", compiled.cache_info()
+    with torch.no_grad():
+        w.mul_(-2)
+    torch.testing.assert_close(compiled(x), f(x))
+    assert compiled.cache_info().misses == 1
+
+
+def _run_plain(compiled, x, calls):
+    for _ in range(calls):
+        compiled(x)
